@@ -1,0 +1,1 @@
+"""Paged KV caches with prefix sharing, on the device."""

@@ -1,0 +1,997 @@
+"""Paging core: block tables, refcounts and a free queue as one pytree.
+
+The whole block manager is a :class:`PagingState`, a frozen pytree of
+fixed-shape arrays. Every verb is a pure function ``state -> new state``,
+jitted once, that returns the new state first and a small result (with a
+``status`` code) second. Nothing is ever half-applied: when a verb fails
+(out of blocks, unknown sequence, table overflow) the returned state equals
+the input state and the status says why.
+
+Dimensions used in shape comments throughout this module:
+
+* ``N``: ``num_blocks``, blocks in the pool including the null block 0.
+* ``S``: ``max_seqs``, sequence slots.
+* ``M``: ``max_blocks_per_seq``, columns of a block table.
+* ``K``: ``block_size``, token slots per block.
+
+Semantics (see ``DESIGN.md``):
+
+* Token ``t`` of a sequence lives in logical block ``t // K`` at offset
+  ``t % K``; its slot in the KV pool is ``block_id * K + offset``. A sequence
+  of ``n`` tokens holds ``ceil(n / K)`` blocks.
+* Block 0 is the reserved null block: it pads block tables, is never handed
+  out and is never on the free queue.
+* ``refcounts[b]`` is the number of block-table entries referencing ``b``.
+  A block with refcount 0 is on the free queue, an array-linked doubly linked
+  list (``free_next`` / ``free_prev`` with ``free_head`` / ``free_tail``).
+  Allocation pops from the head. Release appends the blocks that reach
+  refcount 0 at the tail in reverse table order (the sequence's last block
+  first), as vLLM v1's ``KVCacheManager.free`` does, so a released
+  sequence's deepest blocks are reused first.
+* A block may be written only while its refcount is 1 and it is not
+  ``published`` (carries a hash in a prefix index). Otherwise the writer gets
+  a fresh block first (copy on write) and the verb returns the ``(src, dst)``
+  pair the block-copy kernel must copy.
+
+Cost: every verb touches ``O(M)`` array lanes plus a walk of the free queue
+as long as the number of blocks it pops; none scans the pool. Updates are
+written as masked gathers and scatters (a failed verb scatters to an
+out-of-range index with ``mode="drop"``) rather than ``lax.cond`` over the
+state, because under ``jax.vmap`` a ``cond`` becomes a ``select`` over every
+array of the state, which costs ``O(N)`` per step.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+__all__ = [
+  "NO_BLOCK",
+  "NULL_BLOCK",
+  "AllocateResult",
+  "AppendResult",
+  "BatchView",
+  "CopyResult",
+  "PagingState",
+  "ReleaseResult",
+  "Status",
+  "allocate",
+  "append",
+  "batch_view",
+  "check_invariants",
+  "copy_on_write",
+  "fork",
+  "init",
+  "release",
+  "slot_mapping",
+]
+
+NULL_BLOCK = 0
+"""Reserved block id that pads block tables; never allocated."""
+
+NO_BLOCK = -1
+"""Sentinel for "no block": ends of free-queue links, unused result lanes."""
+
+
+class Status(enum.IntEnum):
+  """Status codes returned by the verbs (as an int32 scalar ``status``).
+
+  A non-``OK`` status always comes with the state unchanged.
+  """
+
+  OK = 0
+  OUT_OF_BLOCKS = 1
+  """Not enough free blocks for the request."""
+  BAD_SEQUENCE = 2
+  """Sequence id outside ``[0, max_seqs)``."""
+  SEQUENCE_INACTIVE = 3
+  """The verb needs a live sequence but the slot is free."""
+  SEQUENCE_ACTIVE = 4
+  """The verb needs a free slot but the sequence is live."""
+  TABLE_OVERFLOW = 5
+  """The sequence would need more than ``max_blocks_per_seq`` blocks."""
+  BAD_COUNT = 6
+  """A negative token count."""
+
+
+@struct.dataclass
+class PagingState:
+  """Block manager state; all arrays are allocated at full size up front.
+
+  Attributes:
+    block_tables: ``[S, M]`` int32 block ids per sequence, padded with
+      ``NULL_BLOCK``.
+    num_tokens: ``[S]`` int32 tokens held by each sequence.
+    active: ``[S]`` bool, whether the sequence slot is live.
+    refcounts: ``[N]`` int32 block-table entries referencing each block.
+    published: ``[N]`` bool, the block carries a hash in a prefix index and
+      is therefore read-only (writes go through copy on write).
+    free_next: ``[N]`` int32 next block on the free queue, ``NO_BLOCK`` at the
+      tail and for blocks not on the queue.
+    free_prev: ``[N]`` int32 previous block on the free queue, ``NO_BLOCK`` at
+      the head and for blocks not on the queue.
+    free_head: ``[]`` int32 first block of the free queue (``NO_BLOCK`` if
+      empty); the next block handed out.
+    free_tail: ``[]`` int32 last block of the free queue (``NO_BLOCK`` if
+      empty).
+    num_free: ``[]`` int32 blocks on the free queue.
+    block_size: static, token slots per block ``K``.
+  """
+
+  block_tables: jax.Array  # [S, M] int32
+  num_tokens: jax.Array  # [S] int32
+  active: jax.Array  # [S] bool
+  refcounts: jax.Array  # [N] int32
+  published: jax.Array  # [N] bool
+  free_next: jax.Array  # [N] int32
+  free_prev: jax.Array  # [N] int32
+  free_head: jax.Array  # [] int32
+  free_tail: jax.Array  # [] int32
+  num_free: jax.Array  # [] int32
+  block_size: int = struct.field(pytree_node=False, default=16)
+
+  @property
+  def num_blocks(self) -> int:
+    """``N``: blocks in the pool, including the null block."""
+    return self.refcounts.shape[-1]
+
+  @property
+  def max_seqs(self) -> int:
+    """``S``: sequence slots."""
+    return self.block_tables.shape[-2]
+
+  @property
+  def max_blocks_per_seq(self) -> int:
+    """``M``: columns of a block table."""
+    return self.block_tables.shape[-1]
+
+  @property
+  def max_tokens_per_seq(self) -> int:
+    """Tokens one sequence can hold: ``M * K``."""
+    return self.max_blocks_per_seq * self.block_size
+
+
+class AllocateResult(NamedTuple):
+  """Result of :func:`allocate`.
+
+  Attributes:
+    status: ``[]`` int32 :class:`Status`.
+    new_blocks: ``[M]`` int32 blocks popped from the free queue, in table
+      order, ``NO_BLOCK`` beyond ``num_new_blocks``.
+    num_new_blocks: ``[]`` int32.
+  """
+
+  status: jax.Array  # [] int32
+  new_blocks: jax.Array  # [M] int32
+  num_new_blocks: jax.Array  # [] int32
+
+
+class CopyResult(NamedTuple):
+  """Result of :func:`copy_on_write`.
+
+  Attributes:
+    status: ``[]`` int32 :class:`Status`.
+    src: ``[1]`` int32 block to copy from, ``NO_BLOCK`` if no copy.
+    dst: ``[1]`` int32 block to copy into, ``NO_BLOCK`` if no copy.
+    num_copies: ``[]`` int32, 0 or 1.
+  """
+
+  status: jax.Array  # [] int32
+  src: jax.Array  # [1] int32
+  dst: jax.Array  # [1] int32
+  num_copies: jax.Array  # [] int32
+
+
+class AppendResult(NamedTuple):
+  """Result of :func:`append`: new blocks plus any copy on write.
+
+  Attributes:
+    status: ``[]`` int32 :class:`Status`.
+    new_blocks: ``[M]`` int32 blocks added at the end of the table.
+    num_new_blocks: ``[]`` int32.
+    src: ``[1]`` int32 copy-on-write source, ``NO_BLOCK`` if none.
+    dst: ``[1]`` int32 copy-on-write destination, ``NO_BLOCK`` if none.
+    num_copies: ``[]`` int32, 0 or 1.
+  """
+
+  status: jax.Array  # [] int32
+  new_blocks: jax.Array  # [M] int32
+  num_new_blocks: jax.Array  # [] int32
+  src: jax.Array  # [1] int32
+  dst: jax.Array  # [1] int32
+  num_copies: jax.Array  # [] int32
+
+
+class ReleaseResult(NamedTuple):
+  """Result of :func:`release`.
+
+  Attributes:
+    status: ``[]`` int32 :class:`Status`.
+    freed_blocks: ``[M]`` int32 blocks that reached refcount 0, in the order
+      they joined the free queue tail, ``NO_BLOCK`` beyond ``num_freed``.
+    num_freed: ``[]`` int32.
+  """
+
+  status: jax.Array  # [] int32
+  freed_blocks: jax.Array  # [M] int32
+  num_freed: jax.Array  # [] int32
+
+
+class BatchView(NamedTuple):
+  """Block tables and lengths in the layout the attention kernels take.
+
+  Attributes:
+    block_tables: ``[B, M]`` int32, ``NULL_BLOCK`` padded.
+    lengths: ``[B]`` int32 tokens per sequence (0 for inactive slots).
+  """
+
+  block_tables: jax.Array  # [B, M] int32
+  lengths: jax.Array  # [B] int32
+
+
+# ---------------------------------------------------------------------------
+# Construction and boundary validation.
+
+
+def _require_int(name: str, value, minimum: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{name}={value!r} must be an int")
+  if value < minimum:
+    raise ValueError(f"{name}={value} must be >= {minimum}")
+  return int(value)
+
+
+def init(
+  *,
+  num_blocks: int,
+  block_size: int,
+  max_seqs: int,
+  max_blocks_per_seq: int,
+) -> PagingState:
+  """Creates an empty pool: every block but the null block is free.
+
+  The free queue starts in block-id order ``1, 2, ..., N - 1``.
+
+  Args:
+    num_blocks: ``N``, blocks in the pool including the null block 0; at
+      least 2.
+    block_size: ``K``, token slots per block; at least 1.
+    max_seqs: ``S``, sequence slots; at least 1.
+    max_blocks_per_seq: ``M``, block-table columns; at least 1.
+
+  Returns:
+    A :class:`PagingState`.
+
+  Raises:
+    TypeError: a size is not an int.
+    ValueError: a size is out of range, or ``N * K`` overflows int32 slots.
+
+  Example:
+    >>> from prefixjax import paging
+    >>> state = paging.init(num_blocks=8, block_size=4, max_seqs=2,
+    ...                     max_blocks_per_seq=3)
+    >>> int(state.num_free)
+    7
+  """
+  num_blocks = _require_int("num_blocks", num_blocks, 2)
+  block_size = _require_int("block_size", block_size, 1)
+  max_seqs = _require_int("max_seqs", max_seqs, 1)
+  max_blocks_per_seq = _require_int("max_blocks_per_seq", max_blocks_per_seq, 1)
+  if num_blocks * block_size >= 2**31:
+    raise ValueError(
+      f"{num_blocks=} * {block_size=} token slots overflow int32 slot ids"
+    )
+  ids = jnp.arange(num_blocks, dtype=jnp.int32)
+  # Free queue 1 -> 2 -> ... -> N-1; the null block 0 is not on it.
+  free_next = jnp.where(ids + 1 < num_blocks, ids + 1, NO_BLOCK)
+  free_prev = jnp.where(ids - 1 >= 1, ids - 1, NO_BLOCK)
+  free_next = free_next.at[0].set(NO_BLOCK)
+  return PagingState(
+    block_tables=jnp.zeros((max_seqs, max_blocks_per_seq), jnp.int32),
+    num_tokens=jnp.zeros((max_seqs,), jnp.int32),
+    active=jnp.zeros((max_seqs,), jnp.bool_),
+    refcounts=jnp.zeros((num_blocks,), jnp.int32),
+    published=jnp.zeros((num_blocks,), jnp.bool_),
+    free_next=free_next.astype(jnp.int32),
+    free_prev=free_prev.astype(jnp.int32),
+    free_head=jnp.asarray(1, jnp.int32),
+    free_tail=jnp.asarray(num_blocks - 1, jnp.int32),
+    num_free=jnp.asarray(num_blocks - 1, jnp.int32),
+    block_size=block_size,
+  )
+
+
+def _check_state(state) -> None:
+  if not isinstance(state, PagingState):
+    raise TypeError(f"state must be a PagingState, got {type(state).__name__}")
+
+
+def as_index(name: str, value) -> jax.Array:
+  """Converts a scalar id or count to an int32 array, checking its type.
+
+  Concrete negative values are reported here; traced values are checked by
+  the verb, which returns a status.
+  """
+  if isinstance(value, bool):
+    raise TypeError(f"{name}={value!r} must be an integer, not a bool")
+  if isinstance(value, (int, np.integer)):
+    if value < 0:
+      raise ValueError(f"{name}={value} must be >= 0")
+    if value >= 2**31:
+      raise ValueError(f"{name}={value} does not fit in int32")
+    return jnp.asarray(value, jnp.int32)
+  arr = jnp.asarray(value)
+  if arr.shape != ():
+    raise ValueError(f"{name} must be a scalar, got shape {arr.shape}")
+  if not jnp.issubdtype(arr.dtype, jnp.integer):
+    raise TypeError(f"{name} must have an integer dtype, got {arr.dtype}")
+  return arr.astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------
+# Masked gather/scatter helpers. Indices that are out of range (including
+# NO_BLOCK) read ``fill`` and write nothing; that is how a failed verb becomes
+# a no-op without a cond over the whole state.
+
+
+def gather(x: jax.Array, idx: jax.Array, fill=0) -> jax.Array:
+  """``x[idx]`` with out-of-range (and negative) indices reading ``fill``."""
+  n = x.shape[0]
+  safe = jnp.where((idx >= 0) & (idx < n), idx, n)
+  return x.at[safe].get(mode="fill", fill_value=fill)
+
+
+def scatter(x: jax.Array, idx: jax.Array, values, mask) -> jax.Array:
+  """``x[idx] = values`` on lanes where ``mask``; other lanes write nothing."""
+  n = x.shape[0]
+  safe = jnp.where(mask & (idx >= 0) & (idx < n), idx, n)
+  return x.at[safe].set(values, mode="drop")
+
+
+def scatter_add(x: jax.Array, idx: jax.Array, values, mask) -> jax.Array:
+  """``x[idx] += values`` on lanes where ``mask``."""
+  n = x.shape[0]
+  safe = jnp.where(mask & (idx >= 0) & (idx < n), idx, n)
+  return x.at[safe].add(values, mode="drop")
+
+
+def _row(x: jax.Array, i: jax.Array, fill=0) -> jax.Array:
+  """Row ``i`` of a 2-D array through a gather (see module notes)."""
+  n = x.shape[0]
+  safe = jnp.where((i >= 0) & (i < n), i, n)
+  return x.at[safe[None]].get(mode="fill", fill_value=fill)[0]
+
+
+def _set_row(x: jax.Array, i: jax.Array, row: jax.Array, ok) -> jax.Array:
+  n = x.shape[0]
+  safe = jnp.where(ok & (i >= 0) & (i < n), i, n)
+  return x.at[safe[None]].set(row[None], mode="drop")
+
+
+def _blocks_for(num_tokens: jax.Array, block_size: int) -> jax.Array:
+  return (num_tokens + block_size - 1) // block_size
+
+
+def _first_error(*pairs) -> jax.Array:
+  """The status of the first failing ``(condition, status)`` pair, else OK."""
+  status = jnp.asarray(Status.OK, jnp.int32)
+  for failed, code in reversed(pairs):
+    status = jnp.where(failed, jnp.int32(code), status)
+  return status
+
+
+def _seq_status(state: PagingState, seq_id: jax.Array, want_active: bool):
+  in_range = (seq_id >= 0) & (seq_id < state.max_seqs)
+  active = gather(state.active, seq_id[None], False)[0]
+  if want_active:
+    return (~in_range, Status.BAD_SEQUENCE), (~active, Status.SEQUENCE_INACTIVE)
+  return (~in_range, Status.BAD_SEQUENCE), (active, Status.SEQUENCE_ACTIVE)
+
+
+# ---------------------------------------------------------------------------
+# Free-queue primitives, O(blocks moved).
+
+
+def pop_free(state: PagingState, count: jax.Array, ok: jax.Array):
+  """Pops ``count`` blocks from the free-queue head when ``ok``.
+
+  The caller has checked ``count <= num_free`` and ``count <= M``. Popped
+  blocks get refcount 1.
+
+  Returns:
+    ``(state, blocks)`` with ``blocks`` ``[M]`` int32 in queue order,
+    ``NO_BLOCK`` beyond ``count`` (all ``NO_BLOCK`` when not ``ok``).
+  """
+  m = state.max_blocks_per_seq
+  count = jnp.where(ok, count, 0)
+  free_next = state.free_next
+
+  # Walk the list reading ``free_next`` only; the writes happen afterwards
+  # as one scatter, so XLA never copies the pool-sized arrays in the loop.
+  def body(carry):
+    i, cur, blocks = carry
+    blocks = blocks.at[i].set(cur)
+    return i + 1, gather(free_next, cur[None], NO_BLOCK)[0], blocks
+
+  _, new_head, blocks = jax.lax.while_loop(
+    lambda c: c[0] < count,
+    body,
+    (jnp.int32(0), state.free_head, jnp.full((m,), NO_BLOCK, jnp.int32)),
+  )
+  lanes = jnp.arange(m) < count
+  empty = new_head == NO_BLOCK
+  state = state.replace(
+    free_next=scatter(state.free_next, blocks, NO_BLOCK, lanes),
+    free_prev=scatter(
+      scatter(state.free_prev, blocks, NO_BLOCK, lanes),
+      new_head[None],
+      NO_BLOCK,
+      count > 0,
+    ),
+    refcounts=scatter(state.refcounts, blocks, 1, lanes),
+    # Reuse drops the block's old identity; the prefix index removes the
+    # popped blocks' hashes using the returned ids.
+    published=scatter(state.published, blocks, False, lanes),
+    free_head=new_head,
+    free_tail=jnp.where(empty, NO_BLOCK, state.free_tail),
+    num_free=state.num_free - count,
+  )
+  return state, blocks
+
+
+def push_free_tail(state: PagingState, blocks: jax.Array, count: jax.Array):
+  """Appends ``blocks[:count]`` (``[L]`` int32, in order) at the queue tail.
+
+  The caller guarantees the blocks have refcount 0 and are not queued.
+  """
+  lanes = jnp.arange(blocks.shape[0]) < count
+  prev_of = jnp.concatenate([state.free_tail[None], blocks[:-1]])
+  next_of = jnp.concatenate([blocks[1:], jnp.full((1,), NO_BLOCK, jnp.int32)])
+  next_of = jnp.where(
+    jnp.arange(blocks.shape[0]) + 1 < count, next_of, NO_BLOCK
+  )
+  any_new = count > 0
+  first = blocks[0]
+  last = gather(blocks, (count - 1)[None], NO_BLOCK)[0]
+  old_tail = state.free_tail
+  free_next = scatter(state.free_next, blocks, next_of, lanes)
+  free_next = scatter(free_next, old_tail[None], first, any_new)
+  return state.replace(
+    free_next=free_next,
+    free_prev=scatter(state.free_prev, blocks, prev_of, lanes),
+    free_head=jnp.where(
+      any_new & (old_tail == NO_BLOCK), first, state.free_head
+    ),
+    free_tail=jnp.where(any_new, last, old_tail),
+    num_free=state.num_free + count,
+  )
+
+
+def unlink_free(state: PagingState, block: jax.Array, ok: jax.Array):
+  """Removes one queued ``block`` from anywhere in the free queue when ``ok``.
+
+  O(1): used when a cached free block is touched by a prefix hit.
+  """
+  prev = gather(state.free_prev, block[None], NO_BLOCK)[0]
+  nxt = gather(state.free_next, block[None], NO_BLOCK)[0]
+  free_next = scatter(state.free_next, prev[None], nxt, ok)
+  free_next = scatter(free_next, block[None], NO_BLOCK, ok)
+  free_prev = scatter(state.free_prev, nxt[None], prev, ok)
+  free_prev = scatter(free_prev, block[None], NO_BLOCK, ok)
+  return state.replace(
+    free_next=free_next,
+    free_prev=free_prev,
+    free_head=jnp.where(ok & (prev == NO_BLOCK), nxt, state.free_head),
+    free_tail=jnp.where(ok & (nxt == NO_BLOCK), prev, state.free_tail),
+    num_free=state.num_free - ok.astype(jnp.int32),
+  )
+
+
+def _compact(values: jax.Array, keep: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Moves ``values[keep]`` to the front, in order; ``NO_BLOCK`` after."""
+  pos = jnp.cumsum(keep.astype(jnp.int32)) - 1
+  out = jnp.full(values.shape, NO_BLOCK, jnp.int32)
+  out = scatter(out, pos, values, keep)
+  return out, jnp.sum(keep.astype(jnp.int32))
+
+
+def drop_refs(state: PagingState, blocks: jax.Array, lanes: jax.Array):
+  """Lowers refcounts of ``blocks[lanes]`` (distinct ids) by one.
+
+  Blocks that reach 0 join the free-queue tail in the order given.
+
+  Returns:
+    ``(state, freed, num_freed)``: ``freed`` ``[L]`` in queue order.
+  """
+  new_counts = gather(state.refcounts, blocks) - 1
+  refcounts = scatter(state.refcounts, blocks, new_counts, lanes)
+  freed, num_freed = _compact(blocks, lanes & (new_counts == 0))
+  state = push_free_tail(state.replace(refcounts=refcounts), freed, num_freed)
+  return state, freed, num_freed
+
+
+# ---------------------------------------------------------------------------
+# Verbs (jitted implementations take int32 scalars).
+
+
+@jax.jit
+def _allocate(state: PagingState, seq_id, num_tokens):
+  m = state.max_blocks_per_seq
+  count = _blocks_for(num_tokens, state.block_size)
+  status = _first_error(
+    *_seq_status(state, seq_id, want_active=False),
+    (num_tokens < 0, Status.BAD_COUNT),
+    (count > m, Status.TABLE_OVERFLOW),
+    (count > state.num_free, Status.OUT_OF_BLOCKS),
+  )
+  ok = status == Status.OK
+  state, blocks = pop_free(state, count, ok)
+  row = jnp.where(blocks == NO_BLOCK, NULL_BLOCK, blocks)
+  state = state.replace(
+    block_tables=_set_row(state.block_tables, seq_id, row, ok),
+    num_tokens=scatter(state.num_tokens, seq_id[None], num_tokens, ok),
+    active=scatter(state.active, seq_id[None], True, ok),
+  )
+  return state, AllocateResult(status, blocks, jnp.where(ok, count, 0))
+
+
+def allocate(state: PagingState, seq_id, num_tokens):
+  """Starts sequence ``seq_id`` holding ``num_tokens`` tokens.
+
+  Pops ``ceil(num_tokens / K)`` blocks from the free-queue head.
+
+  Args:
+    state: the pool.
+    seq_id: int32 scalar, a free sequence slot.
+    num_tokens: int32 scalar, tokens to hold (0 allowed).
+
+  Returns:
+    ``(new_state, AllocateResult)``. Status ``SEQUENCE_ACTIVE``,
+    ``BAD_SEQUENCE``, ``BAD_COUNT``, ``TABLE_OVERFLOW`` or ``OUT_OF_BLOCKS``
+    leaves the state unchanged.
+
+  Example:
+    >>> from prefixjax import paging
+    >>> s = paging.init(num_blocks=8, block_size=4, max_seqs=2,
+    ...                 max_blocks_per_seq=3)
+    >>> s, r = paging.allocate(s, 0, 6)
+    >>> s.block_tables[0].tolist(), int(r.status)
+    ([1, 2, 0], 0)
+  """
+  _check_state(state)
+  return _allocate(
+    state, as_index("seq_id", seq_id), as_index("num_tokens", num_tokens)
+  )
+
+
+def _last_block(state: PagingState, seq_id):
+  """The block holding the next write position and whether it needs a copy.
+
+  Returns ``(row, col, src, needed)``: ``needed`` when the sequence's last
+  block is partially filled and shared (refcount > 1) or published.
+  """
+  k = state.block_size
+  tokens = gather(state.num_tokens, seq_id[None])[0]
+  col = tokens // k
+  row = _row(state.block_tables, seq_id)
+  src = gather(row, col[None], NULL_BLOCK)[0]
+  shared = gather(state.refcounts, src[None])[0] > 1
+  published = gather(state.published, src[None], False)[0]
+  needed = (tokens % k != 0) & (shared | published)
+  return row, col, src, needed
+
+
+def _copy_last(state: PagingState, seq_id, do):
+  """Replaces the last block by a fresh copy when ``do``.
+
+  Returns ``(state, src [1], dst [1])``, ``NO_BLOCK`` lanes when not ``do``.
+  """
+  row, col, src, _ = _last_block(state, seq_id)
+  state, fresh = pop_free(state, jnp.int32(1), do)
+  dst = fresh[0]
+  row = scatter(row, col[None], dst, do)
+  state = state.replace(
+    block_tables=_set_row(state.block_tables, seq_id, row, do)
+  )
+  state, _, _ = drop_refs(state, src[None], do[None])
+  no = jnp.full((1,), NO_BLOCK, jnp.int32)
+  return state, jnp.where(do, src[None], no), jnp.where(do, dst[None], no)
+
+
+@jax.jit
+def _copy_on_write(state: PagingState, seq_id):
+  *_, needed = _last_block(state, seq_id)
+  status = _first_error(
+    *_seq_status(state, seq_id, want_active=True),
+    (needed & (state.num_free < 1), Status.OUT_OF_BLOCKS),
+  )
+  do = (status == Status.OK) & needed
+  state, src, dst = _copy_last(state, seq_id, do)
+  return state, CopyResult(status, src, dst, do.astype(jnp.int32))
+
+
+def copy_on_write(state: PagingState, seq_id):
+  """Makes the block at the sequence's next write position writable.
+
+  If the sequence's last block is partially filled and is shared
+  (refcount > 1) or published, the sequence gets a fresh block in its place
+  and the pair ``(src, dst)`` is returned for the block-copy kernel. The old
+  block loses one reference (joining the free queue if that was the last).
+
+  Args:
+    state: the pool.
+    seq_id: int32 scalar, a live sequence.
+
+  Returns:
+    ``(new_state, CopyResult)``.
+
+  Example:
+    >>> from prefixjax import paging
+    >>> s = paging.init(num_blocks=8, block_size=4, max_seqs=2,
+    ...                 max_blocks_per_seq=3)
+    >>> s, _ = paging.allocate(s, 0, 6)
+    >>> s, _ = paging.fork(s, 0, 1)
+    >>> s, c = paging.copy_on_write(s, 1)
+    >>> c.src.tolist(), c.dst.tolist()
+    ([2], [3])
+  """
+  _check_state(state)
+  return _copy_on_write(state, as_index("seq_id", seq_id))
+
+
+@jax.jit
+def _append(state: PagingState, seq_id, num_new_tokens):
+  k = state.block_size
+  m = state.max_blocks_per_seq
+  tokens = gather(state.num_tokens, seq_id[None])[0]
+  have = _blocks_for(tokens, k)
+  total = tokens + num_new_tokens
+  count = _blocks_for(total, k) - have
+  *_, copy_needed = _last_block(state, seq_id)
+  copy_needed = copy_needed & (num_new_tokens > 0)
+  status = _first_error(
+    *_seq_status(state, seq_id, want_active=True),
+    (num_new_tokens < 0, Status.BAD_COUNT),
+    (_blocks_for(total, k) > m, Status.TABLE_OVERFLOW),
+    (
+      count + copy_needed.astype(jnp.int32) > state.num_free,
+      Status.OUT_OF_BLOCKS,
+    ),
+  )
+  ok = status == Status.OK
+  state, src, dst = _copy_last(state, seq_id, ok & copy_needed)
+  state, blocks = pop_free(state, count, ok)
+  # New blocks go to columns have, have + 1, ...
+  lanes = jnp.arange(m)
+  row = _row(state.block_tables, seq_id)
+  new_in_row = gather(blocks, lanes - have, NO_BLOCK)
+  row = jnp.where(new_in_row != NO_BLOCK, new_in_row, row)
+  state = state.replace(
+    block_tables=_set_row(state.block_tables, seq_id, row, ok),
+    num_tokens=scatter(state.num_tokens, seq_id[None], total, ok),
+  )
+  num_copies = (ok & copy_needed).astype(jnp.int32)
+  return state, AppendResult(
+    status, blocks, jnp.where(ok, count, 0), src, dst, num_copies
+  )
+
+
+def append(state: PagingState, seq_id, num_new_tokens):
+  """Grows a live sequence by ``num_new_tokens`` tokens.
+
+  New blocks are taken only when the tokens cross a block boundary. If the
+  first new token lands in a partially filled block that is shared or
+  published, that block is copied first (see :func:`copy_on_write`) and the
+  pair is returned in the result.
+
+  Args:
+    state: the pool.
+    seq_id: int32 scalar, a live sequence.
+    num_new_tokens: int32 scalar >= 0.
+
+  Returns:
+    ``(new_state, AppendResult)``; on a non-OK status the state is unchanged.
+
+  Example:
+    >>> from prefixjax import paging
+    >>> s = paging.init(num_blocks=8, block_size=4, max_seqs=2,
+    ...                 max_blocks_per_seq=3)
+    >>> s, _ = paging.allocate(s, 0, 3)
+    >>> s, r = paging.append(s, 0, 2)
+    >>> s.block_tables[0].tolist(), int(s.num_tokens[0])
+    ([1, 2, 0], 5)
+  """
+  _check_state(state)
+  return _append(
+    state,
+    as_index("seq_id", seq_id),
+    as_index("num_new_tokens", num_new_tokens),
+  )
+
+
+@jax.jit
+def _fork(state: PagingState, parent_id, child_id):
+  parent_checks = _seq_status(state, parent_id, want_active=True)
+  child_checks = _seq_status(state, child_id, want_active=False)
+  status = _first_error(*parent_checks, *child_checks)
+  ok = status == Status.OK
+  row = _row(state.block_tables, parent_id)
+  tokens = gather(state.num_tokens, parent_id[None])[0]
+  lanes = jnp.arange(state.max_blocks_per_seq) < _blocks_for(
+    tokens, state.block_size
+  )
+  state = state.replace(
+    block_tables=_set_row(state.block_tables, child_id, row, ok),
+    num_tokens=scatter(state.num_tokens, child_id[None], tokens, ok),
+    active=scatter(state.active, child_id[None], True, ok),
+    refcounts=scatter_add(state.refcounts, row, 1, ok & lanes),
+  )
+  return state, status
+
+
+def fork(state: PagingState, parent_id, child_id):
+  """Starts ``child_id`` sharing every block of ``parent_id``.
+
+  Used for parallel sampling and beam search: all shared blocks gain a
+  reference; the first write into the shared partial last block goes
+  through copy on write.
+
+  Args:
+    state: the pool.
+    parent_id: int32 scalar, a live sequence.
+    child_id: int32 scalar, a free slot.
+
+  Returns:
+    ``(new_state, status)`` with ``status`` an int32 :class:`Status`.
+
+  Example:
+    >>> from prefixjax import paging
+    >>> s = paging.init(num_blocks=8, block_size=4, max_seqs=2,
+    ...                 max_blocks_per_seq=3)
+    >>> s, _ = paging.allocate(s, 0, 6)
+    >>> s, status = paging.fork(s, 0, 1)
+    >>> s.refcounts[1:3].tolist()
+    [2, 2]
+  """
+  _check_state(state)
+  return _fork(
+    state, as_index("parent_id", parent_id), as_index("child_id", child_id)
+  )
+
+
+@jax.jit
+def _release(state: PagingState, seq_id):
+  status = _first_error(*_seq_status(state, seq_id, want_active=True))
+  ok = status == Status.OK
+  row = _row(state.block_tables, seq_id)
+  tokens = gather(state.num_tokens, seq_id[None])[0]
+  lanes = ok & (
+    jnp.arange(state.max_blocks_per_seq) < _blocks_for(tokens, state.block_size)
+  )
+  # vLLM v1 KVCacheManager.free releases blocks in reverse order so that the
+  # tail (deepest) blocks reach the free queue first and are reused first.
+  state, freed, num_freed = drop_refs(state, row[::-1], lanes[::-1])
+  state = state.replace(
+    block_tables=_set_row(state.block_tables, seq_id, jnp.zeros_like(row), ok),
+    num_tokens=scatter(state.num_tokens, seq_id[None], 0, ok),
+    active=scatter(state.active, seq_id[None], False, ok),
+  )
+  return state, ReleaseResult(status, freed, num_freed)
+
+
+def release(state: PagingState, seq_id):
+  """Ends a live sequence, dropping one reference from each of its blocks.
+
+  Blocks that reach refcount 0 join the free-queue tail, last block first.
+
+  Args:
+    state: the pool.
+    seq_id: int32 scalar, a live sequence.
+
+  Returns:
+    ``(new_state, ReleaseResult)``.
+
+  Example:
+    >>> from prefixjax import paging
+    >>> s = paging.init(num_blocks=4, block_size=4, max_seqs=2,
+    ...                 max_blocks_per_seq=3)
+    >>> s, _ = paging.allocate(s, 0, 6)
+    >>> s, r = paging.release(s, 0)
+    >>> r.freed_blocks[:2].tolist()
+    [2, 1]
+  """
+  _check_state(state)
+  return _release(state, as_index("seq_id", seq_id))
+
+
+@jax.jit
+def _slot_mapping(state: PagingState, seq_ids, positions):
+  k = state.block_size
+  rows = state.block_tables.at[
+    jnp.where((seq_ids >= 0) & (seq_ids < state.max_seqs), seq_ids, 0)
+  ].get(mode="clip")
+  col = positions // k
+  block = jnp.take_along_axis(
+    rows, jnp.clip(col, 0, state.max_blocks_per_seq - 1)[..., None], axis=-1
+  )[..., 0]
+  tokens = gather(state.num_tokens, seq_ids, 0)
+  valid = (
+    (seq_ids >= 0)
+    & (seq_ids < state.max_seqs)
+    & (positions >= 0)
+    & (positions < tokens)
+  )
+  return jnp.where(valid, block * k + positions % k, NO_BLOCK)
+
+
+def slot_mapping(state: PagingState, seq_ids, positions) -> jax.Array:
+  """Maps token positions to KV-pool slots ``block_id * K + offset``.
+
+  Args:
+    state: the pool.
+    seq_ids: ``[T]`` int32 sequence of each token.
+    positions: ``[T]`` int32 position of each token within its sequence.
+
+  Returns:
+    ``[T]`` int32 slots; ``NO_BLOCK`` (-1) where the position is not held by
+    the sequence (negative, ``>= num_tokens``, or an unknown sequence), so a
+    KV write can drop it.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from prefixjax import paging
+    >>> s = paging.init(num_blocks=8, block_size=4, max_seqs=2,
+    ...                 max_blocks_per_seq=3)
+    >>> s, _ = paging.allocate(s, 0, 6)
+    >>> paging.slot_mapping(s, jnp.zeros(3, jnp.int32),
+    ...                     jnp.array([0, 5, 6], jnp.int32)).tolist()
+    [4, 9, -1]
+  """
+  _check_state(state)
+  seq_ids = jnp.asarray(seq_ids)
+  positions = jnp.asarray(positions)
+  for name, arr in (("seq_ids", seq_ids), ("positions", positions)):
+    if arr.ndim != 1:
+      raise ValueError(f"{name} must be 1-D [T], got shape {arr.shape}")
+    if not jnp.issubdtype(arr.dtype, jnp.integer):
+      raise TypeError(f"{name} must be integer, got dtype {arr.dtype}")
+  if seq_ids.shape != positions.shape:
+    raise ValueError(
+      f"seq_ids shape {seq_ids.shape} != positions shape {positions.shape}"
+    )
+  return _slot_mapping(
+    state, seq_ids.astype(jnp.int32), positions.astype(jnp.int32)
+  )
+
+
+@jax.jit
+def _batch_view(state: PagingState, seq_ids):
+  valid = (seq_ids >= 0) & (seq_ids < state.max_seqs)
+  valid = valid & gather(state.active, seq_ids, False)
+  rows = state.block_tables.at[jnp.where(valid, seq_ids, 0)].get(mode="clip")
+  rows = jnp.where(valid[:, None], rows, NULL_BLOCK)
+  lengths = jnp.where(valid, gather(state.num_tokens, seq_ids), 0)
+  return BatchView(rows, lengths)
+
+
+def batch_view(state: PagingState, seq_ids) -> BatchView:
+  """Block tables and lengths of ``seq_ids`` for the attention kernels.
+
+  Args:
+    state: the pool.
+    seq_ids: ``[B]`` int32; inactive or out-of-range ids give a row of
+      ``NULL_BLOCK`` and length 0.
+
+  Returns:
+    A :class:`BatchView` with ``block_tables [B, M]`` and ``lengths [B]``.
+  """
+  _check_state(state)
+  seq_ids = jnp.asarray(seq_ids)
+  if seq_ids.ndim != 1 or not jnp.issubdtype(seq_ids.dtype, jnp.integer):
+    raise ValueError(
+      f"seq_ids must be a 1-D integer array, got {seq_ids.shape} "
+      f"{seq_ids.dtype}"
+    )
+  return _batch_view(state, seq_ids.astype(jnp.int32))
+
+
+# ---------------------------------------------------------------------------
+# Invariants (host side, for tests and debugging).
+
+
+def check_invariants(state: PagingState) -> list[str]:
+  """Checks the paging invariants on the host; returns violations (or ``[]``).
+
+  * every refcount equals the number of table entries referencing the block;
+  * the free queue holds exactly the refcount-0 blocks, each once, with
+    consistent links, head, tail and ``num_free``;
+  * the null block is never referenced, never queued;
+  * table entries past a sequence's ``ceil(num_tokens / K)`` are
+    ``NULL_BLOCK``; inactive sequences hold nothing.
+  """
+  _check_state(state)
+  errors: list[str] = []
+  tables = np.asarray(state.block_tables)
+  tokens = np.asarray(state.num_tokens)
+  active = np.asarray(state.active)
+  refcounts = np.asarray(state.refcounts)
+  nxt = np.asarray(state.free_next)
+  prv = np.asarray(state.free_prev)
+  n = refcounts.shape[0]
+  k = state.block_size
+  counts = np.zeros(n, np.int64)
+  for s in range(tables.shape[0]):
+    held = -(-int(tokens[s]) // k)
+    if not active[s] and (tokens[s] != 0 or tables[s].any()):
+      errors.append(f"inactive sequence {s} holds tokens or blocks")
+    if tokens[s] < 0 or held > tables.shape[1]:
+      errors.append(f"sequence {s} has bad num_tokens {tokens[s]}")
+      continue
+    row = tables[s, :held]
+    if (row == NULL_BLOCK).any() or (row < 0).any() or (row >= n).any():
+      errors.append(f"sequence {s} table {row.tolist()} has a bad block id")
+      continue
+    if len(set(row.tolist())) != len(row):
+      errors.append(f"sequence {s} references a block twice: {row.tolist()}")
+    if tables[s, held:].any():
+      errors.append(f"sequence {s} has entries past its {held} blocks")
+    np.add.at(counts, row, 1)
+  if counts[NULL_BLOCK] or refcounts[NULL_BLOCK]:
+    errors.append("null block is referenced")
+  bad = np.nonzero(counts != refcounts)[0]
+  for b in bad[:10]:
+    errors.append(f"block {b}: refcount {refcounts[b]} but {counts[b]} refs")
+  # Walk the free queue.
+  order: list[int] = []
+  seen = set()
+  cur, prev = int(state.free_head), NO_BLOCK
+  while cur != NO_BLOCK:
+    if cur in seen or not 0 < cur < n:
+      errors.append(f"free queue broken at block {cur} (cycle or bad id)")
+      break
+    if prv[cur] != prev:
+      errors.append(f"free_prev[{cur}]={prv[cur]} but previous is {prev}")
+    seen.add(cur)
+    order.append(cur)
+    prev, cur = cur, int(nxt[cur])
+  if prev != int(state.free_tail):
+    errors.append(f"free_tail={int(state.free_tail)} but walk ends at {prev}")
+  if len(order) != int(state.num_free):
+    errors.append(f"num_free={int(state.num_free)} but queue has {len(order)}")
+  want = set(np.nonzero(refcounts == 0)[0].tolist()) - {NULL_BLOCK}
+  if seen != want:
+    extra = sorted(seen - want)[:10]
+    missing = sorted(want - seen)[:10]
+    errors.append(f"free queue != refcount-0 blocks: +{extra} -{missing}")
+  off_queue = np.ones(n, bool)
+  off_queue[list(seen)] = False
+  if (nxt[off_queue] != NO_BLOCK).any() or (prv[off_queue] != NO_BLOCK).any():
+    errors.append("a block off the free queue has links")
+  return errors
+
+
+def free_queue_order(state: PagingState) -> list[int]:
+  """The free queue from head to tail, as a Python list (host side)."""
+  nxt = np.asarray(state.free_next)
+  out, cur = [], int(state.free_head)
+  while cur != NO_BLOCK and len(out) <= nxt.shape[0]:
+    out.append(cur)
+    cur = int(nxt[cur])
+  return out
+
+
+@functools.cache
+def _status_names() -> dict[int, str]:
+  return {int(s): s.name for s in Status}
+
+
+def status_name(status) -> str:
+  """Human-readable name of a status code (host side)."""
+  return _status_names().get(int(status), f"UNKNOWN({int(status)})")
