@@ -1,0 +1,137 @@
+"""Per-operation cost of the paging verbs inside ``lax.scan``, by pool size.
+
+Each scenario is a scan whose step applies a fixed mix of verbs to a pool of
+``num_blocks`` blocks; the time per step over the number of verbs in it is
+the per-op cost. The paging core promises O(blocks touched) per verb, so the
+figures must stay flat (within 2x) as the pool grows from 4,096 to 262,144
+blocks; a pool-sized copy per step would show up as a 64x growth.
+
+Usage::
+
+  python benchmarks/paging_ops.py [--steps 2000] [--repeats 5] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from prefixjax import paging
+
+POOLS = (4_096, 65_536, 262_144)
+BLOCK_SIZE = 16
+MAX_SEQS = 64
+MAX_BLOCKS_PER_SEQ = 64
+
+
+def _scenarios():
+  """name -> (verbs per step, setup(state) -> state, step(state, i))."""
+  k = BLOCK_SIZE
+
+  def no_setup(state):
+    return state
+
+  def allocate_release(state, i):
+    seq = i % MAX_SEQS
+    state, _ = paging._allocate(state, seq, jnp.int32(8 * k))
+    state, _ = paging._release(state, seq)
+    return state
+
+  def append_blocks(state, i):
+    seq = i % MAX_SEQS
+    state, _ = paging._allocate(state, seq, jnp.int32(k // 2))
+    state, _ = paging._append(state, seq, jnp.int32(4 * k))
+    state, _ = paging._release(state, seq)
+    return state
+
+  def fork_setup(state):
+    state, _ = paging.allocate(state, 0, 10 * k + 3)
+    return state
+
+  def fork_copy(state, i):
+    child = 1 + i % (MAX_SEQS - 1)
+    state, _ = paging._fork(state, jnp.int32(0), child)
+    state, _ = paging._copy_on_write(state, child)
+    state, _ = paging._release(state, child)
+    return state
+
+  return {
+    "allocate(8 blocks)+release": (2, no_setup, allocate_release),
+    "allocate+append(4 blocks)+release": (3, no_setup, append_blocks),
+    "fork+copy_on_write+release": (3, fork_setup, fork_copy),
+  }
+
+
+def _time(fn, *args, repeats):
+  out = fn(*args)
+  jax.block_until_ready(out)  # compile and warm up
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return float(np.median(times)), out
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--steps", type=int, default=2000)
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--pools", type=int, nargs="+", default=list(POOLS))
+  parser.add_argument("--json", help="write the table as JSON here")
+  args = parser.parse_args(argv)
+
+  rows = []
+  for name, (verbs, setup, step) in _scenarios().items():
+    for pool in args.pools:
+      state = setup(
+        paging.init(
+          num_blocks=pool,
+          block_size=BLOCK_SIZE,
+          max_seqs=MAX_SEQS,
+          max_blocks_per_seq=MAX_BLOCKS_PER_SEQ,
+        )
+      )
+
+      @jax.jit
+      def run(state, step=step):
+        def body(state, i):
+          return step(state, i), None
+
+        return jax.lax.scan(body, state, jnp.arange(args.steps))[0]
+
+      seconds, final = _time(run, state, repeats=args.repeats)
+      errors = paging.check_invariants(final) if pool <= 65_536 else []
+      if errors:
+        raise SystemExit(f"{name} pool {pool}: invariants broken: {errors}")
+      per_op_us = seconds / (args.steps * verbs) * 1e6
+      rows.append(dict(scenario=name, num_blocks=pool, us_per_op=per_op_us))
+      print(f"{name:36s} N={pool:>7,d}  {per_op_us:7.2f} us/op", flush=True)
+
+  print()
+  print(
+    f"jax {jax.__version__} on {jax.default_backend()} "
+    f"({platform.processor() or platform.machine()}), "
+    f"{args.steps} steps x {args.repeats} repeats, median"
+  )
+  header = f"{'scenario':36s}" + "".join(f"{p:>12,d}" for p in args.pools)
+  print(header + "   max/min")
+  for name in _scenarios():
+    cells = [r["us_per_op"] for r in rows if r["scenario"] == name]
+    ratio = max(cells) / min(cells)
+    flat = "flat" if ratio <= 2 else "NOT FLAT"
+    line = f"{name:36s}" + "".join(f"{c:10.2f}us" for c in cells)
+    print(f"{line}   {ratio:5.2f} {flat}")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"jax": jax.__version__, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+  main()
