@@ -1,0 +1,212 @@
+"""`Trace`: invariants, immutability, views, merging, host-side block ids."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from prefixjax.workloads import Trace, merge_traces
+
+
+def _ids(*rows):
+  return [np.asarray(row, np.int32) for row in rows]
+
+
+def test_fields_are_converted_and_read_only():
+  trace = Trace([0, 1], [3, 5], [1, 2], name="t", source="here")
+  assert trace.arrival_times_s.dtype == np.float64
+  assert trace.input_lengths.dtype == np.int64
+  assert trace.output_lengths.dtype == np.int64
+  with pytest.raises(ValueError, match="read-only"):
+    trace.input_lengths[0] = 7
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    trace.name = "other"  # type: ignore[misc]
+
+
+def test_construction_copies_caller_arrays():
+  lengths = np.array([3, 4])
+  trace = Trace([0.0, 1.0], lengths, [1, 1])
+  lengths[0] = 99
+  assert trace.input_lengths.tolist() == [3, 4]
+  assert lengths.flags.writeable
+
+
+def test_sizes_and_summary():
+  trace = Trace(
+    [1.0, 2.0, 4.0],
+    [2, 4, 9],
+    [1, 0, 5],
+    input_token_ids=_ids([1, 2], [1, 2, 3, 4], range(9)),
+  )
+  assert len(trace) == trace.num_requests == 3
+  assert trace.num_input_tokens == 15
+  assert trace.num_output_tokens == 6
+  assert trace.num_tokens == 21
+  assert trace.has_token_ids and not trace.has_hash_ids
+  summary = trace.summary()
+  assert summary["requests"] == 3
+  assert summary["input_mean"] == pytest.approx(5.0)
+  assert summary["input_median"] == 4.0
+  assert summary["input_max"] == 9
+  assert summary["output_max"] == 5
+  assert summary["duration_s"] == pytest.approx(3.0)
+
+
+def test_empty_trace_summary():
+  summary = Trace([], [], []).summary()
+  assert summary["requests"] == 0
+  assert summary["input_mean"] == 0.0 and summary["duration_s"] == 0.0
+
+
+@pytest.mark.parametrize(
+  "kwargs, error, match",
+  [
+    (
+      dict(input_lengths=[1, 2], output_lengths=[1]),
+      ValueError,
+      "output_lengths has 1 entries but the trace has 2",
+    ),
+    (
+      dict(input_lengths=[1, -2], output_lengths=[1, 1]),
+      ValueError,
+      r"input_lengths\[1\] = -2 is negative",
+    ),
+    (
+      dict(input_lengths=[[1, 2]], output_lengths=[1]),
+      ValueError,
+      "input_lengths must be 1-D",
+    ),
+    (
+      dict(input_lengths=[1.5, 2.0], output_lengths=[1, 1]),
+      TypeError,
+      "input_lengths must hold int64",
+    ),
+    (
+      dict(input_lengths=[True, False], output_lengths=[1, 1]),
+      TypeError,
+      "input_lengths must hold int64",
+    ),
+    (
+      dict(arrival_times_s=[0.0, np.nan]),
+      ValueError,
+      r"arrival_times_s\[1\] = nan is not finite",
+    ),
+    (
+      dict(hash_ids=[np.array([1]), np.array([1])], hash_block_size=4),
+      ValueError,
+      r"len\(hash_ids\[1\]\) = 1 but input_lengths\[1\] = 5 needs ceil\(5 "
+      r"/ 4\) = 2",
+    ),
+    (
+      dict(hash_ids=[np.array([1]), np.array([1, 2])]),
+      TypeError,
+      "hash_block_size must be a positive int",
+    ),
+    (
+      dict(hash_block_size=4),
+      ValueError,
+      "hash_block_size=4 given without hash_ids",
+    ),
+    (
+      dict(input_token_ids=_ids([1, 2, 3], [1, 2, 3, 4])),
+      ValueError,
+      r"len\(input_token_ids\[1\]\) = 4 but input_lengths\[1\] = 5",
+    ),
+    (
+      dict(input_token_ids=_ids([1, 2, 3], [1, 2, 3, 4, -5])),
+      ValueError,
+      r"input_token_ids\[1\] holds token id -5",
+    ),
+    (
+      dict(output_token_ids=_ids([1], [])),
+      ValueError,
+      r"len\(output_token_ids\[1\]\) = 0 but output_lengths\[1\] = 2",
+    ),
+    (
+      dict(session_ids=[1]),
+      ValueError,
+      "session_ids has 1 entries but the trace has 2",
+    ),
+  ],
+)
+def test_invariants_are_checked(kwargs, error, match):
+  fields = dict(
+    arrival_times_s=[0.0, 1.0], input_lengths=[3, 5], output_lengths=[1, 2]
+  )
+  fields.update(kwargs)
+  with pytest.raises(error, match=match):
+    Trace(**fields)
+
+
+def test_slice_keeps_every_field():
+  trace = Trace(
+    [0.0, 1.0, 2.0],
+    [1, 5, 4],
+    [1, 2, 3],
+    hash_ids=[np.array([7]), np.array([7, 8]), np.array([9])],
+    hash_block_size=4,
+    input_token_ids=_ids([1], [1, 2, 3, 4, 5], [6, 7, 8, 9]),
+    output_token_ids=_ids([1], [2, 3], [4, 5, 6]),
+    session_ids=[0, 0, 1],
+    name="n",
+    source="s",
+  )
+  tail = trace.slice(1)
+  assert len(tail) == 2
+  assert tail.arrival_times_s.tolist() == [1.0, 2.0]
+  assert [row.tolist() for row in tail.hash_ids] == [[7, 8], [9]]
+  assert tail.hash_block_size == 4
+  assert tail.input_token_ids[1].tolist() == [6, 7, 8, 9]
+  assert tail.output_token_ids[0].tolist() == [2, 3]
+  assert tail.session_ids.tolist() == [0, 1]
+  assert (tail.name, tail.source) == ("n", "s")
+  assert len(trace.slice(1, 1)) == 0
+  assert trace.slice(-1).input_lengths.tolist() == [4]
+
+
+def test_merge_orders_by_arrival_and_renumbers_sessions():
+  a = Trace(
+    [0.0, 2.0],
+    [1, 2],
+    [1, 1],
+    input_token_ids=_ids([1], [1, 2]),
+    session_ids=[0, 0],
+  )
+  b = Trace([1.0, 2.0], [3, 1], [1, 1], input_token_ids=_ids([5, 6, 7], [9]))
+  merged = merge_traces([a, b], name="m")
+  assert merged.arrival_times_s.tolist() == [0.0, 1.0, 2.0, 2.0]
+  assert merged.input_lengths.tolist() == [1, 3, 2, 1]  # stable on ties
+  assert merged.session_ids.tolist() == [0, 1, 0, 2]
+  assert merged.input_token_ids[1].tolist() == [5, 6, 7]
+  assert merged.output_token_ids is None
+  with pytest.raises(ValueError, match="at least one trace"):
+    merge_traces([])
+
+
+def test_block_hash_ids_follow_shared_prefixes(rng):
+  shared = rng.integers(0, 50, 10).tolist()
+  prompts = [
+    shared + [1, 2, 3],
+    shared + [1, 2, 4],
+    shared[:5],
+    [99] + shared,
+  ]
+  trace = Trace(
+    np.zeros(4),
+    [len(p) for p in prompts],
+    [1, 1, 1, 1],
+    input_token_ids=_ids(*prompts),
+  )
+  rows = [row.tolist() for row in trace.block_hash_ids(4)]
+  assert [len(row) for row in rows] == [4, 4, 2, 3]
+  assert rows[0][:3] == rows[1][:3]  # blocks 0-2 hold the shared tokens
+  assert rows[0][3] != rows[1][3]
+  assert rows[2][0] == rows[0][0]  # same first block
+  assert rows[2][1] != rows[0][1]  # partial block 1 differs from full one
+  assert not set(rows[3]) & set(rows[0])  # shifted: nothing shared
+  with pytest.raises(ValueError, match="block_size=0 must be positive"):
+    trace.block_hash_ids(0)
+  with pytest.raises(ValueError, match="has no input_token_ids"):
+    Trace([0.0], [1], [1]).block_hash_ids(4)
