@@ -1,0 +1,3 @@
+from prefixjax.cli import main
+
+raise SystemExit(main())
