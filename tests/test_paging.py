@@ -319,3 +319,24 @@ def test_each_verb_compiles_once_across_inputs(rng):
     s, _ = paging.allocate(s, a, b)
     s, _ = paging.allocate(s, np.int32(a), np.int64(b))
   assert paging._allocate._cache_size() - before <= 1
+
+
+def test_vmap_over_configurations_equals_one_at_a_time(rng):
+  """A batch of pools (different histories) stepped by one vmapped scan."""
+  sizes = SIZES[1]
+  streams = np.stack([harness.random_ops(rng, 300, sizes) for _ in range(4)])
+  state = paging.init(**sizes)
+  batched = jax.tree.map(lambda x: jnp.stack([x] * 4), state)
+  final, (_, results) = jax.vmap(harness.run_stream)(
+    batched, jnp.asarray(streams)
+  )
+  for b in range(4):
+    one_final, (_, one_results) = harness.run_stream(
+      state, jnp.asarray(streams[b])
+    )
+    chex.assert_trees_all_equal(
+      jax.tree.map(lambda x, b=b: x[b], final), one_final
+    )
+    chex.assert_trees_all_equal(
+      jax.tree.map(lambda x, b=b: x[b], results), one_results
+    )
