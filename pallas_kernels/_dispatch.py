@@ -1,0 +1,234 @@
+"""Backend choice for every kernel in one place.
+
+Every public kernel takes ``backend`` and ``interpret`` and calls
+:func:`resolve_backend` once, outside ``jax.jit``. The rule:
+
+* ``backend="reference"``: the plain-``jnp`` reference, on any platform.
+* ``backend="pallas_tpu"``: the TPU-style Pallas variant (scalar-prefetched
+  block tables, BlockSpec pipelining, DMAs). Needs a TPU, or
+  ``interpret=True`` (then it runs in JAX's TPU interpret mode, which simulates
+  VMEM/SMEM, DMAs and semaphores on the CPU).
+* ``backend="pallas_gpu"``: the GPU Pallas variant. Needs a GPU, or
+  ``interpret=True`` (then it runs in Pallas's generic HLO interpreter).
+* ``backend=None``: chosen from ``jax.default_backend()``: ``tpu`` ->
+  ``pallas_tpu``, ``gpu`` -> ``pallas_gpu``, anything else -> the reference,
+  with a logged message saying so (once per kernel and reason). With
+  ``interpret=True`` (or inside ``pltpu.force_tpu_interpret_mode()``) on a
+  platform without a Pallas compiler, ``None`` picks ``pallas_tpu`` in
+  interpret mode, the most faithful CPU simulation.
+
+``interpret=True`` for ``pallas_tpu`` means ``pltpu.InterpretParams()`` (JAX's
+TPU interpret mode); an ``InterpretParams`` instance is passed through as is.
+``pallas_tpu`` with ``interpret=False`` also runs on CPU inside
+``pltpu.force_tpu_interpret_mode()``. For ``pallas_gpu`` any truthy
+``interpret`` means Pallas's HLO interpreter.
+
+JAX versions. What is available where:
+
+* jax 0.10.2 (this project's floor, CPU CI): ``reference`` everywhere;
+  ``pallas_tpu`` compiled on TPU and in TPU interpret mode on CPU
+  (``pltpu.InterpretParams`` / ``pltpu.force_tpu_interpret_mode`` exist);
+  ``pallas_gpu`` compiled through the Triton-style lowering on GPU and in the
+  generic HLO interpreter (``interpret=True``) on CPU. Tests run every
+  variant in interpret mode, and lower both compiled variants for their
+  hardware with ``jax.export`` (``tests/test_kernels_lowering.py``).
+* jax >= 0.11.2: JAX deprecated the Pallas Triton backend. The GPU variants
+  therefore live in their own subpackage, :mod:`pallas_kernels.gpu`, import
+  nothing Triton-specific at module import time (``interpret=True`` never
+  touches Triton), and are reached only through this module, so a Mosaic GPU
+  variant can replace them by changing the ``pallas_gpu`` branch here. If
+  importing the Triton lowering fails or warns (:func:`triton_available`),
+  ``backend=None`` on a GPU falls back to the reference with a logged
+  message instead of failing; ``backend="pallas_gpu"`` is still honoured.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import warnings
+from typing import Any, Literal
+
+import jax
+from jax.experimental.pallas import tpu as pltpu
+
+logger = logging.getLogger("pallas_kernels")
+
+Backend = Literal["reference", "pallas_tpu", "pallas_gpu"]
+BACKENDS: tuple[str, ...] = ("reference", "pallas_tpu", "pallas_gpu")
+
+# Which implementation serves ``backend="pallas_gpu"``. Only "triton" exists
+# today; a Mosaic GPU port would add a value here and a subpackage.
+GPU_VARIANT = "triton"
+
+
+def gpu_variant(kernel: str) -> Any:
+  """The module that implements ``kernel`` for ``backend="pallas_gpu"``.
+
+  Every kernel reaches its GPU variant through here, so swapping the
+  Triton-style variants for a Mosaic GPU port is a change to this function
+  and :data:`GPU_VARIANT` only. The module exposes ``*_unbatched`` functions
+  with the TPU variant's signature.
+  """
+  if GPU_VARIANT == "triton":
+    return importlib.import_module(f"pallas_kernels.gpu.{kernel}")
+  raise NotImplementedError(f"GPU_VARIANT={GPU_VARIANT!r}")
+
+
+@functools.cache
+def _log_once(kernel: str, message: str) -> None:
+  logger.warning("pallas_kernels.%s: %s", kernel, message)
+
+
+@functools.cache
+def triton_available() -> bool:
+  """Whether the Triton-style GPU lowering can be imported without warnings."""
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      from jax.experimental.pallas import triton  # noqa: F401
+  except Exception:  # noqa: BLE001 - any failure means "not usable".
+    return False
+  return True
+
+
+def gpu_compiler_params(**kwargs: Any) -> Any:
+  """Compiler params for the Triton-style GPU lowering (compiled runs only)."""
+  from jax.experimental.pallas import triton as plgpu
+
+  return plgpu.CompilerParams(**kwargs)
+
+
+def forced_tpu_interpret() -> bool:
+  """Whether ``pltpu.force_tpu_interpret_mode()`` is active here.
+
+  Under that context manager every ``pallas_call`` traced runs in TPU
+  interpret mode, so ``pallas_tpu`` works on CPU even with
+  ``interpret=False``. Reads a private config; ``False`` if it moved.
+  """
+  try:
+    from jax._src import config as jax_config
+
+    state = jax_config.pallas_tpu_interpret_mode_context_manager
+    return state.value is not None
+  except Exception:  # noqa: BLE001 - private API; absent means "not forced".
+    return False
+
+
+def resolve_backend(
+  backend: str | None, interpret: Any, *, kernel: str
+) -> tuple[str, Any]:
+  """Chooses the variant to run and the value for ``pallas_call(interpret=)``.
+
+  Args:
+    backend: ``None``, ``"reference"``, ``"pallas_tpu"`` or ``"pallas_gpu"``.
+    interpret: ``False``, ``True``, or a ready-made interpret-params object
+      (e.g. ``pltpu.InterpretParams(...)``) passed through to ``pallas_call``.
+    kernel: the public kernel's name, for messages.
+
+  Returns:
+    ``(backend, interpret_value)``: a concrete backend name and a hashable
+    value to pass as ``pallas_call(interpret=...)`` (``False`` when compiled;
+    ``None`` for the reference).
+
+  Raises:
+    ValueError: an unknown backend, or a Pallas backend on a platform that
+      cannot compile it without ``interpret=True``.
+  """
+  if backend is not None and backend not in BACKENDS:
+    raise ValueError(
+      f"{kernel}: backend={backend!r} must be None or one of {BACKENDS}."
+    )
+  platform = jax.default_backend()
+  wants_interpret = interpret is not False and interpret is not None
+  forced = forced_tpu_interpret()
+  if backend is None:
+    if platform == "tpu":
+      backend = "pallas_tpu"
+    elif platform == "gpu" and (wants_interpret or triton_available()):
+      backend = "pallas_gpu"
+    elif wants_interpret or forced:
+      backend = "pallas_tpu"
+    else:
+      reason = (
+        "the Triton-style GPU lowering is unavailable on this jax"
+        if platform == "gpu"
+        else f"no Pallas compiler for platform {platform!r}"
+      )
+      _log_once(kernel, f"{reason}; falling back to the jnp reference.")
+      backend = "reference"
+  if backend == "reference":
+    return backend, None
+  if backend == "pallas_tpu":
+    if wants_interpret:
+      if interpret is True:
+        interpret = pltpu.InterpretParams()
+      return backend, interpret
+    if platform != "tpu" and not forced:
+      raise ValueError(
+        f"{kernel}: backend='pallas_tpu' needs a TPU or interpret=True; "
+        f"jax.default_backend()={platform!r}."
+      )
+    return backend, False
+  # pallas_gpu
+  if wants_interpret:
+    return backend, True
+  if platform != "gpu":
+    raise ValueError(
+      f"{kernel}: backend='pallas_gpu' needs a GPU or interpret=True; "
+      f"jax.default_backend()={platform!r}."
+    )
+  return backend, False
+
+
+# Bytes ratio (naive paged decode / shared-prefix) above which the shared
+# path is chosen. The shared path costs a second launch, a gather of the
+# queries per group and an LSE merge, so it must save a clear margin of
+# traffic. 2.0 is a conservative placeholder until `benchmarks/kernels.py`'s
+# group-size sweep is run on the target device: set it to the smallest bytes
+# ratio at which the sweep shows the shared path faster.
+SHARED_PREFIX_MIN_BYTES_RATIO = 2.0
+
+
+def prefer_shared_prefix(
+  group_of: Any,
+  prefix_lengths: Any,
+  suffix_lengths: Any,
+  *,
+  page_size: int,
+  min_bytes_ratio: float = SHARED_PREFIX_MIN_BYTES_RATIO,
+) -> Any:
+  """Whether ``shared_prefix_attention`` should replace naive paged decode.
+
+  Compares the pages each path reads (bytes model with unique pages counted
+  once): naive decode reads every request's prefix and suffix pages; the
+  shared path reads each non-empty group's prefix pages once plus the
+  suffixes. Works on numpy or traced ``jnp`` arrays (use the result in
+  ``lax.cond`` under ``jit``).
+
+  Args:
+    group_of: int32 ``[B]`` group of each request.
+    prefix_lengths: int32 ``[G]`` prefix tokens per group (whole pages).
+    suffix_lengths: int32 ``[B]`` private tokens per request.
+    page_size: tokens per page ``K``.
+    min_bytes_ratio: choose the shared path at or above this ratio.
+
+  Returns:
+    A boolean scalar (``jnp`` array).
+  """
+  import jax.numpy as jnp
+
+  group_of = jnp.asarray(group_of, jnp.int32)
+  prefix_pages = jnp.asarray(prefix_lengths, jnp.int32) // page_size
+  suffix_pages = (jnp.asarray(suffix_lengths, jnp.int32) + page_size - 1) // (
+    page_size
+  )
+  members = jnp.zeros(prefix_pages.shape, jnp.int32).at[group_of].add(1)
+  naive = jnp.sum(prefix_pages[group_of]) + jnp.sum(suffix_pages)
+  shared = jnp.sum(jnp.where(members > 0, prefix_pages, 0)) + jnp.sum(
+    suffix_pages
+  )
+  shared = jnp.maximum(shared, 1)
+  ratio = naive.astype(jnp.float32) / shared.astype(jnp.float32)
+  return ratio >= min_bytes_ratio

@@ -1,0 +1,290 @@
+"""Argument checks (ValueError naming the argument) and backend dispatch."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import _dispatch
+
+F32 = jnp.float32
+I32 = jnp.int32
+
+
+def decode_args(**override):
+  args = {
+    "q": jnp.zeros((2, 4, 32), F32),
+    "k_pages": jnp.zeros((2, 5, 8, 32), F32),
+    "v_pages": jnp.zeros((2, 5, 8, 32), F32),
+    "block_tables": jnp.array([[1, 2], [3, 0]], I32),
+    "lengths": jnp.array([10, 3], I32),
+  }
+  args.update(override)
+  return args
+
+
+def shared_args(**override):
+  args = {
+    "q": jnp.zeros((3, 4, 32), F32),
+    "k_pages": jnp.zeros((2, 6, 8, 32), F32),
+    "v_pages": jnp.zeros((2, 6, 8, 32), F32),
+    "prefix_block_tables": jnp.array([[1, 2], [3, 0]], I32),
+    "prefix_lengths": jnp.array([16, 8], I32),
+    "group_of": jnp.array([0, 1, 0], I32),
+    "suffix_block_tables": jnp.array([[4], [5], [0]], I32),
+    "suffix_lengths": jnp.array([3, 8, 0], I32),
+  }
+  args.update(override)
+  return args
+
+
+def prefill_args(**override):
+  args = {
+    "q": jnp.zeros((6, 4, 32), F32),
+    "k_pages": jnp.zeros((2, 5, 8, 32), F32),
+    "v_pages": jnp.zeros((2, 5, 8, 32), F32),
+    "block_tables": jnp.array([[1, 2], [3, 0]], I32),
+    "kv_lengths": jnp.array([12, 2], I32),
+    "cu_q_lengths": jnp.array([0, 4, 6], I32),
+  }
+  args.update(override)
+  return args
+
+
+def write_args(**override):
+  args = {
+    "k_pages": jnp.zeros((2, 5, 8, 32), F32),
+    "v_pages": jnp.zeros((2, 5, 8, 32), F32),
+    "k_new": jnp.zeros((3, 2, 32), F32),
+    "v_new": jnp.zeros((3, 2, 32), F32),
+    "slot_mapping": jnp.array([8, 9, -1], I32),
+  }
+  args.update(override)
+  return args
+
+
+def copy_args(**override):
+  args = {
+    "k_pages": jnp.zeros((2, 5, 8, 32), F32),
+    "v_pages": jnp.zeros((2, 5, 8, 32), F32),
+    "src": jnp.array([1, 2], I32),
+    "dst": jnp.array([3, 4], I32),
+  }
+  args.update(override)
+  return args
+
+
+def merge_args(**override):
+  args = {
+    "o_a": jnp.zeros((2, 4, 32), F32),
+    "lse_a": jnp.zeros((2, 4), F32),
+    "o_b": jnp.zeros((2, 4, 32), F32),
+    "lse_b": jnp.zeros((2, 4), F32),
+  }
+  args.update(override)
+  return args
+
+
+BAD_CASES = {
+  # paged_attention
+  "paged-q-rank": (
+    pk.paged_attention,
+    decode_args(q=jnp.zeros((2, 32), F32)),
+    "q",
+  ),
+  "paged-q-dtype": (
+    pk.paged_attention,
+    decode_args(q=jnp.zeros((2, 4, 32), jnp.float16)),
+    "q",
+  ),
+  "paged-int-pages": (
+    pk.paged_attention,
+    decode_args(k_pages=jnp.zeros((2, 5, 8, 32), I32)),
+    "k_pages",
+  ),
+  "paged-v-shape": (
+    pk.paged_attention,
+    decode_args(v_pages=jnp.zeros((2, 5, 8, 16), F32)),
+    "v_pages",
+  ),
+  "paged-head-multiple": (
+    pk.paged_attention,
+    decode_args(q=jnp.zeros((2, 3, 32), F32)),
+    "num_q_heads",
+  ),
+  "paged-head-dim": (
+    pk.paged_attention,
+    decode_args(q=jnp.zeros((2, 4, 16), F32)),
+    "head_dim",
+  ),
+  "paged-table-dtype": (
+    pk.paged_attention,
+    decode_args(block_tables=jnp.array([[1, 2], [3, 0]], jnp.int16)),
+    "block_tables",
+  ),
+  "paged-table-rows": (
+    pk.paged_attention,
+    decode_args(block_tables=jnp.array([[1, 2]], I32)),
+    "block_tables",
+  ),
+  "paged-page-id": (
+    pk.paged_attention,
+    decode_args(block_tables=jnp.array([[1, 5], [3, 0]], I32)),
+    "block_tables",
+  ),
+  "paged-negative-page-id": (
+    pk.paged_attention,
+    decode_args(block_tables=jnp.array([[1, -1], [3, 0]], I32)),
+    "block_tables",
+  ),
+  "paged-lengths-dtype": (
+    pk.paged_attention,
+    decode_args(lengths=jnp.array([10, 3], jnp.uint32)),
+    "lengths",
+  ),
+  "paged-lengths-range": (
+    pk.paged_attention,
+    decode_args(lengths=jnp.array([17, 3], I32)),
+    "lengths",
+  ),
+  # shared_prefix_attention
+  "shared-group-range": (
+    pk.shared_prefix_attention,
+    shared_args(group_of=jnp.array([0, 2, 0], I32)),
+    "group_of",
+  ),
+  "shared-partial-prefix": (
+    pk.shared_prefix_attention,
+    shared_args(prefix_lengths=jnp.array([12, 8], I32)),
+    "prefix_lengths",
+  ),
+  "shared-suffix-page-id": (
+    pk.shared_prefix_attention,
+    shared_args(suffix_block_tables=jnp.array([[4], [6], [0]], I32)),
+    "suffix_block_tables",
+  ),
+  "shared-prefix-dtype": (
+    pk.shared_prefix_attention,
+    shared_args(prefix_block_tables=np.array([[1, 2], [3, 0]], np.int64)),
+    "prefix_block_tables",
+  ),
+  # prefill_attention
+  "prefill-cu-shape": (
+    pk.prefill_attention,
+    prefill_args(cu_q_lengths=jnp.array([0, 4], I32)),
+    "cu_q_lengths",
+  ),
+  "prefill-cu-past-end": (
+    pk.prefill_attention,
+    prefill_args(cu_q_lengths=jnp.array([0, 4, 7], I32)),
+    "cu_q_lengths",
+  ),
+  "prefill-q-longer-than-kv": (
+    pk.prefill_attention,
+    prefill_args(cu_q_lengths=jnp.array([0, 3, 6], I32)),
+    "kv_lengths",
+  ),
+  "prefill-page-id": (
+    pk.prefill_attention,
+    prefill_args(block_tables=jnp.array([[1, 9], [3, 0]], I32)),
+    "block_tables",
+  ),
+  # write_kv
+  "write-slot-range": (
+    pk.write_kv,
+    write_args(slot_mapping=jnp.array([8, 40, -1], I32)),
+    "slot_mapping",
+  ),
+  "write-slot-repeat": (
+    pk.write_kv,
+    write_args(slot_mapping=jnp.array([8, 8, -1], I32)),
+    "slot_mapping",
+  ),
+  "write-heads": (
+    pk.write_kv,
+    write_args(k_new=jnp.zeros((3, 1, 32), F32)),
+    "k_new",
+  ),
+  "write-v-dtype": (
+    pk.write_kv,
+    write_args(v_new=jnp.zeros((3, 2, 32), jnp.bfloat16)),
+    "v_new",
+  ),
+  # copy_blocks
+  "copy-range": (pk.copy_blocks, copy_args(dst=jnp.array([3, 5], I32)), "dst"),
+  "copy-dtype": (
+    pk.copy_blocks,
+    copy_args(src=jnp.array([1.0, 2.0], F32)),
+    "src",
+  ),
+  "copy-overlap": (
+    pk.copy_blocks,
+    copy_args(dst=jnp.array([3, 1], I32)),
+    "dst",
+  ),
+  # merge_attention_states
+  "merge-lse-shape": (
+    pk.merge_attention_states,
+    merge_args(lse_b=jnp.zeros((2, 3), F32)),
+    "lse_b",
+  ),
+  "merge-o-dtype": (
+    pk.merge_attention_states,
+    merge_args(o_b=jnp.zeros((2, 4, 32), jnp.bfloat16)),
+    "o_b",
+  ),
+}
+
+
+@pytest.mark.parametrize(
+  ("fn", "args", "name"), BAD_CASES.values(), ids=BAD_CASES.keys()
+)
+def test_bad_arguments_raise_value_error_naming_them(fn, args, name):
+  with pytest.raises(ValueError, match=name):
+    fn(**args, backend="pallas_tpu", interpret=True)
+
+
+def test_unknown_backend_is_rejected():
+  with pytest.raises(ValueError, match="backend"):
+    pk.paged_attention(**decode_args(), backend="cuda")
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU-only rule")
+@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
+def test_compiled_pallas_backend_on_cpu_needs_interpret(backend):
+  with pytest.raises(ValueError, match="interpret=True"):
+    pk.paged_attention(**decode_args(), backend=backend)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU-only rule")
+def test_default_backend_on_cpu_logs_fallback_to_reference(caplog):
+  _dispatch._log_once.cache_clear()
+  with caplog.at_level(logging.WARNING, logger="pallas_kernels"):
+    got = pk.resolve_backend(None, False, kernel="paged_attention")
+    o = pk.paged_attention(**decode_args())
+  assert got == ("reference", None)
+  assert "falling back to the jnp reference" in caplog.text
+  assert o.shape == (2, 4, 32)
+  assert pk.resolve_backend(None, True, kernel="x")[0] == "pallas_tpu"
+  assert pk.resolve_backend("pallas_gpu", True, kernel="x") == (
+    "pallas_gpu",
+    True,
+  )
+
+
+def test_traced_values_skip_concrete_checks():
+  """Inside jit only static properties can be checked; values pass through."""
+
+  @jax.jit
+  def run(tables):
+    return pk.paged_attention(
+      **decode_args(block_tables=tables), backend="reference"
+    )
+
+  out = run(jnp.array([[1, 2], [3, 0]], I32))
+  assert np.isfinite(np.asarray(out)).all()
