@@ -375,29 +375,56 @@ def _set_row(x: jax.Array, i: jax.Array, row: jax.Array, ok) -> jax.Array:
   return x.at[safe[None]].set(row[None], mode="drop")
 
 
-def settle(state: PagingState, *values):
-  """Materialises values read from the state before the state is written.
+def barrier(anchor: jax.Array, *values):
+  """Materialises ``values`` so XLA cannot re-read their sources later.
 
   XLA may fuse a cheap read (say, the refcount gather that decides a mask)
   into every consumer, including consumers not ordered before an in-place
   scatter to the same array; copy insertion then copies the whole pool-sized
-  array to keep the old value alive, an O(N) cost per verb (measured with
+  array to keep the old value alive, an O(N) cost per step (measured with
   jax 0.10.2 on XLA:CPU: 16 us -> 275 us per step at N = 262,144).
   ``lax.optimization_barrier`` does not prevent this on XLA:CPU (it is
   expanded away before fusion), but a while loop is never fused into its
   consumers: the values pass through a loop that runs zero times, with a trip
   count XLA cannot see through.
+
+  Args:
+    anchor: an int32 scalar computed at run time that is never -7 (a block
+      id, an index); it makes the trip count opaque.
+    *values: arrays (or pytrees of integer / bool arrays) to materialise.
+
+  Returns:
+    ``values``, unchanged, as a tuple.
   """
-  # free_head is a block id or NO_BLOCK, never -7: this is 0 at run time.
-  opaque_zero = (state.free_head == -7).astype(jnp.int32)
-  # The body (never run) must change the values, or XLA drops them from the
-  # loop as invariants and the loop disappears.
+  opaque_zero = (anchor == -7).astype(jnp.int32)
+
+  # The body never runs, but XLA must not see through it: it changes every
+  # value (else XLA drops loop invariants and the loop disappears) and mixes
+  # all of them into each (else XLA drops the outputs nobody uses, and with
+  # them the ordering they were passed in for).
+  def body(carry):
+    leaves, tree = jax.tree.flatten(carry[1])
+    mix = sum(jnp.sum(leaf.astype(jnp.int32)) for leaf in leaves)
+    mixed = [
+      jnp.invert(leaf) ^ (mix & 1).astype(leaf.dtype)
+      if leaf.dtype == jnp.bool_
+      else jnp.invert(leaf) ^ mix.astype(leaf.dtype)
+      for leaf in leaves
+    ]
+    return carry[0] + 1, jax.tree.unflatten(tree, mixed)
+
   _, out = jax.lax.while_loop(
-    lambda carry: carry[0] < opaque_zero,
-    lambda carry: (carry[0] + 1, jax.tree.map(jnp.invert, carry[1])),
-    (jnp.int32(0), values),
+    lambda carry: carry[0] < opaque_zero, body, (jnp.int32(0), values)
   )
   return out
+
+
+def settle(state: PagingState, *values):
+  """:func:`barrier` anchored on the state's free-queue head.
+
+  Pass values read from the state through this before writing the state.
+  """
+  return barrier(state.free_head, *values)
 
 
 def _blocks_for(num_tokens: jax.Array, block_size: int) -> jax.Array:
