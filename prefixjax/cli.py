@@ -4,6 +4,8 @@ Subcommands:
 
 * ``demo``: parallel sampling through the paging core, by block size, on a
   built-in generated workload (no files needed).
+* ``replay``: hit-rate replay of a trace (or the built-in workload) through
+  caches of several capacities and policies, one vmapped program per policy.
 
 Bad arguments and bad input files exit with status 2 and a one-line message;
 ``--debug`` shows the traceback instead.
@@ -30,6 +32,16 @@ def _positive_int(text: str) -> int:
   if value <= 0:
     raise argparse.ArgumentTypeError(f"{value} must be > 0")
   return value
+
+
+def _add_debug(parser) -> None:
+  # SUPPRESS keeps a subcommand from resetting a --debug given before it.
+  parser.add_argument(
+    "--debug",
+    action="store_true",
+    default=argparse.SUPPRESS,
+    help="show tracebacks on errors",
+  )
 
 
 def _add_demo(subparsers) -> None:
@@ -61,6 +73,7 @@ def _add_demo(subparsers) -> None:
     help="KV pool size in tokens (blocks = pool_tokens // block_size + 1)",
   )
   p.add_argument("--json", metavar="OUT", help="also write results as JSON")
+  _add_debug(p)
   p.set_defaults(func=_cmd_demo)
 
 
@@ -97,6 +110,211 @@ def _cmd_demo(args) -> int:
   return 0
 
 
+SEMANTICS = ("kvcache-sim", "vllm", "sglang")
+
+
+def _fraction(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+  if not 0.0 <= value <= 1.0:
+    raise argparse.ArgumentTypeError(f"{value} must be in [0, 1]")
+  return value
+
+
+def _nonnegative_int(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+  if value < 0:
+    raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+  return value
+
+
+def _add_replay(subparsers) -> None:
+  from prefixjax.replay import REPLAY_POLICIES
+
+  p = subparsers.add_parser(
+    "replay",
+    help="hit-rate replay of a trace through caches of several capacities",
+    description=(
+      "Replays a trace one request at a time through a cache of each "
+      "--capacity (in blocks) under each --policy, as one jitted scan "
+      "vmapped over the capacities, and prints hit tokens per point. "
+      "Without --trace, replays the built-in generated workload."
+    ),
+  )
+  p.add_argument(
+    "--trace", metavar="PATH", help="trace file (default: built-in)"
+  )
+  p.add_argument(
+    "--format", default="auto", choices=("auto", "mooncake", "tokens", "csv")
+  )
+  p.add_argument(
+    "--block-size",
+    type=_positive_int,
+    default=None,
+    metavar="N",
+    help="tokens per block (Mooncake: its hash block size, 512; else 16)",
+  )
+  p.add_argument(
+    "--capacity",
+    type=_nonnegative_int,
+    nargs="+",
+    default=None,
+    metavar="C",
+    help="cache capacities in blocks (default: 1%%, 5%%, 10%%, 20%% of the "
+    "trace's distinct blocks)",
+  )
+  p.add_argument(
+    "--policy",
+    nargs="+",
+    default=list(REPLAY_POLICIES),
+    choices=REPLAY_POLICIES,
+    metavar="P",
+    help=f"eviction policies: {', '.join(REPLAY_POLICIES)}",
+  )
+  p.add_argument("--semantics", default="kvcache-sim", choices=SEMANTICS)
+  p.add_argument(
+    "--warmup-fraction",
+    type=_fraction,
+    default=0.5,
+    metavar="F",
+    help="share of requests before hits are counted (default 0.5)",
+  )
+  p.add_argument("--limit", type=_positive_int, help="read only N requests")
+  p.add_argument("--json", metavar="OUT", help="also write results as JSON")
+  _add_debug(p)
+  p.set_defaults(func=_cmd_replay)
+
+
+def _cmd_replay(args) -> int:
+  import time
+
+  import jax
+  import numpy as np
+  from tqdm import tqdm
+
+  from prefixjax import replay as rp
+  from prefixjax.workloads import default_workload, load_trace
+
+  if args.semantics != "kvcache-sim":
+    raise CliError(
+      f"--semantics {args.semantics} is not implemented yet; only "
+      "kvcache-sim replay is available"
+    )
+  start = time.perf_counter()
+  if args.trace:
+    trace = load_trace(
+      args.trace, args.format, block_size=args.block_size, limit=args.limit
+    )
+  else:
+    trace = default_workload()
+  if trace.has_hash_ids:
+    block_size = trace.hash_block_size
+    hash_ids = trace.hash_ids
+  elif trace.has_token_ids:
+    block_size = args.block_size or 16
+    hash_ids = trace.block_hash_ids(block_size)
+  else:
+    # Length-only traces carry no prefix information: every block is new.
+    block_size = args.block_size or 16
+    hash_ids = [
+      np.arange(-(-int(n) // block_size)) + (i << 32)
+      for i, n in enumerate(trace.input_lengths)
+    ]
+  plan = rp.prepare_replay(
+    hash_ids,
+    trace.input_lengths,
+    block_size=block_size,
+    warmup_fraction=args.warmup_fraction,
+  )
+  load_s = time.perf_counter() - start
+  capacities = args.capacity or [
+    max(1, plan.unique_blocks * pct // 100) for pct in (1, 5, 10, 20)
+  ]
+  print(
+    f"prefixjax replay: {trace.name} ({len(trace):,} requests, "
+    f"{plan.num_events:,} blocks of {block_size} tokens, "
+    f"{plan.unique_blocks:,} distinct), kvcache-sim semantics, warm-up "
+    f"{args.warmup_fraction:g}, jax {jax.__version__} on "
+    f"{jax.default_backend()}",
+    flush=True,
+  )
+  timings: dict = {}
+  points = []
+  bar = tqdm(
+    args.policy,
+    desc="policies",
+    unit="policy",
+    leave=False,
+    disable=not sys.stderr.isatty(),
+  )
+  for policy in bar:
+    bar.set_postfix_str(policy)
+    points += rp.replay(
+      plan, policy=policy, capacities=capacities, timings=timings
+    )
+  ceiling = rp.replay_ceiling(plan)
+  rows = [_point_row(p) for p in points]
+  print(_replay_table(rows + [_point_row(ceiling)]))
+  print(
+    f"load {load_s:.2f} s, compile {timings['compile_s']:.2f} s, run "
+    f"{timings['run_s']:.2f} s ({len(points)} points)"
+  )
+  if any(p.underfilled for p in points):
+    print(
+      "underfilled: the cache never filled during warm-up, so (as in "
+      "kvcache-simulator) its hit tokens are reported as 0"
+    )
+  if args.json:
+    payload = {
+      "points": rows,
+      "ceiling": _point_row(ceiling),
+      "timing": {
+        "load_s": load_s,
+        "compile_s": timings["compile_s"],
+        "run_s": timings["run_s"],
+      },
+      "trace": trace.name,
+      "semantics": args.semantics,
+      "warmup_fraction": args.warmup_fraction,
+    }
+    with open(args.json, "w") as f:
+      json.dump(payload, f, indent=2)
+    print(f"wrote {args.json}")
+  return 0
+
+
+def _point_row(point) -> dict:
+  return {
+    "policy": point.policy,
+    "capacity_blocks": int(point.capacity_blocks),
+    "block_size": int(point.block_size),
+    "hit_tokens": int(point.hit_tokens),
+    "total_tokens": int(point.total_tokens),
+    "hit_rate": float(point.hit_rate),
+    "measured_requests": int(point.measured_requests),
+    "mode": "underfilled" if point.underfilled else "measured",
+  }
+
+
+def _replay_table(rows: list[dict]) -> str:
+  header = (
+    f"{'policy':>12} {'capacity':>9} {'hit tokens':>13} {'of tokens':>13} "
+    f"{'hit rate':>8} {'mode':>11}"
+  )
+  lines = [header, "-" * len(header)]
+  for r in rows:
+    lines.append(
+      f"{r['policy']:>12} {r['capacity_blocks']:>9,} {r['hit_tokens']:>13,} "
+      f"{r['total_tokens']:>13,} {r['hit_rate']:>8.2%} {r['mode']:>11}"
+    )
+  return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
   """The argument parser (exposed for tests and docs)."""
   from prefixjax import __version__
@@ -113,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
   )
   subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
   _add_demo(subparsers)
+  _add_replay(subparsers)
   return parser
 
 

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from prefixjax import cli, demo, generate_workload
+from prefixjax import cli, demo, generate_workload, replay
 
 
 @pytest.mark.parametrize("block_size", [8, 16])
@@ -93,3 +93,84 @@ def test_console_script_help_lists_subcommands():
     check=True,
   )
   assert "demo" in result.stdout
+
+
+def test_cli_replay_json_matches_library(tmp_path, capsys):
+  trace = tmp_path / "t.jsonl"
+  rows = [([1, 2], 20), ([1, 2, 3], 30), ([1, 4], 17), ([1, 2, 3], 24)]
+  trace.write_text(
+    "".join(
+      json.dumps(
+        dict(timestamp=i, input_length=n, output_length=1, hash_ids=ids)
+      )
+      + "\n"
+      for i, (ids, n) in enumerate(rows)
+    )
+  )
+  out = tmp_path / "r.json"
+  argv = ["replay", "--trace", str(trace), "--block-size", "10"]
+  argv += ["--capacity", "2", "8", "--policy", "fifo", "lru_leaf"]
+  argv += ["--warmup-fraction", "0.25", "--json", str(out)]
+  assert cli.main(argv) == 0
+  assert "lru_leaf" in capsys.readouterr().out
+  payload = json.loads(out.read_text())
+  assert set(payload["timing"]) == {"load_s", "compile_s", "run_s"}
+  keys = {
+    "policy",
+    "capacity_blocks",
+    "block_size",
+    "hit_tokens",
+    "total_tokens",
+    "hit_rate",
+    "measured_requests",
+    "mode",
+  }
+  assert all(set(p) == keys for p in payload["points"])
+  plan = replay.prepare_replay(
+    [r[0] for r in rows],
+    [r[1] for r in rows],
+    block_size=10,
+    warmup_fraction=0.25,
+  )
+  want = replay.replay(plan, policy="lru_leaf", capacities=[2, 8])
+  got = [p for p in payload["points"] if p["policy"] == "lru_leaf"]
+  assert [p["hit_tokens"] for p in got] == [w.hit_tokens for w in want]
+
+
+@pytest.mark.parametrize(
+  "content, message",
+  [
+    ("", ":1: "),
+    ('{"timestamp": 1, "input_length": 10}\n', ":1: "),
+    ("not json\n", ":1: "),
+    (
+      '{"timestamp": 1, "input_length": 10, "output_length": 1, '
+      '"hash_ids": [1]}\n{"timestamp": 2, "input_length": -1, '
+      '"output_length": 1, "hash_ids": []}\n',
+      ":2: ",
+    ),
+  ],
+)
+def test_cli_replay_bad_trace_is_one_line_exit_2(
+  tmp_path, capsys, content, message
+):
+  trace = tmp_path / "bad.jsonl"
+  trace.write_text(content)
+  assert cli.main(["replay", "--trace", str(trace)]) == 2
+  err = capsys.readouterr().err
+  assert f"{trace}{message}" in err or (content == "" and str(trace) in err)
+  assert "Traceback" not in err
+
+
+def test_cli_debug_shows_the_exception(tmp_path):
+  trace = tmp_path / "bad.jsonl"
+  trace.write_text("not json\n")
+  from prefixjax import TraceFormatError
+
+  with pytest.raises(TraceFormatError):
+    cli.main(["replay", "--trace", str(trace), "--debug"])
+
+
+def test_cli_replay_refuses_unimplemented_semantics(capsys):
+  assert cli.main(["replay", "--semantics", "sglang"]) == 2
+  assert "not implemented yet" in capsys.readouterr().err
