@@ -13,7 +13,7 @@ Example:
   'OK'
 """
 
-from prefixjax import paging, workloads
+from prefixjax import hashing, index, paging, prefix_cache, replay, workloads
 from prefixjax.paging import (
   NO_BLOCK,
   NULL_BLOCK,
@@ -72,6 +72,8 @@ __all__ = [
   "default_workload",
   "fork",
   "generate_workload",
+  "hashing",
+  "index",
   "init_paging",
   "load_csv_trace",
   "load_mooncake",
@@ -79,8 +81,10 @@ __all__ = [
   "load_trace",
   "merge_traces",
   "paging",
+  "prefix_cache",
   "register_workload",
   "release",
+  "replay",
   "slot_mapping",
   "workload_defaults",
   "workload_kinds",
