@@ -171,10 +171,10 @@ def _add_replay(subparsers) -> None:
   p.add_argument(
     "--policy",
     nargs="+",
-    default=list(REPLAY_POLICIES),
-    choices=REPLAY_POLICIES,
+    default=None,
+    choices=(*REPLAY_POLICIES, "lru"),
     metavar="P",
-    help=f"eviction policies: {', '.join(REPLAY_POLICIES)}",
+    help=f"kvcache-sim: {', '.join(REPLAY_POLICIES)} (default: all); vllm: lru",
   )
   p.add_argument("--semantics", default="kvcache-sim", choices=SEMANTICS)
   p.add_argument(
@@ -200,10 +200,9 @@ def _cmd_replay(args) -> int:
   from prefixjax import replay as rp
   from prefixjax.workloads import default_workload, load_trace
 
-  if args.semantics != "kvcache-sim":
+  if args.semantics == "sglang":
     raise CliError(
-      f"--semantics {args.semantics} is not implemented yet; only "
-      "kvcache-sim replay is available"
+      "--semantics sglang is not implemented yet; use kvcache-sim or vllm"
     )
   start = time.perf_counter()
   if args.trace:
@@ -212,6 +211,8 @@ def _cmd_replay(args) -> int:
     )
   else:
     trace = default_workload()
+  if args.semantics == "vllm":
+    return _replay_vllm(args, trace, time.perf_counter() - start)
   if trace.has_hash_ids:
     block_size = trace.hash_block_size
     hash_ids = trace.hash_ids
@@ -243,10 +244,16 @@ def _cmd_replay(args) -> int:
     f"{jax.default_backend()}",
     flush=True,
   )
+  policies = args.policy or list(rp.REPLAY_POLICIES)
+  if "lru" in policies:
+    raise CliError(
+      "policy lru (vLLM's free-queue order) needs --semantics vllm; "
+      f"kvcache-sim policies are {', '.join(rp.REPLAY_POLICIES)}"
+    )
   timings: dict = {}
   points = []
   bar = tqdm(
-    args.policy,
+    policies,
     desc="policies",
     unit="policy",
     leave=False,
@@ -278,6 +285,60 @@ def _cmd_replay(args) -> int:
         "compile_s": timings["compile_s"],
         "run_s": timings["run_s"],
       },
+      "trace": trace.name,
+      "semantics": args.semantics,
+      "warmup_fraction": args.warmup_fraction,
+    }
+    with open(args.json, "w") as f:
+      json.dump(payload, f, indent=2)
+    print(f"wrote {args.json}")
+  return 0
+
+
+def _replay_vllm(args, trace, load_s) -> int:
+  import jax
+
+  from prefixjax.serving_replay import replay_vllm
+
+  if args.policy not in (None, ["lru"]):
+    raise CliError(
+      f"--semantics vllm uses vLLM's free-queue order: pass --policy lru "
+      f"(got {' '.join(args.policy)})"
+    )
+  block_size = args.block_size or 16
+  if not trace.has_token_ids:
+    raise CliError(
+      f"{trace.name}: vllm semantics needs token ids (a token-id trace or "
+      "the built-in workload); Mooncake hash ids are not supported yet"
+    )
+  largest = int((trace.input_lengths + trace.output_lengths).max())
+  need = -(-largest // block_size)
+  capacities = args.capacity or [need * f for f in (2, 8, 32, 128)]
+  print(
+    f"prefixjax replay: {trace.name} ({len(trace):,} requests), vllm "
+    f"semantics (one request at a time, policy lru), block {block_size}, "
+    f"warm-up {args.warmup_fraction:g}, jax {jax.__version__} on "
+    f"{jax.default_backend()}",
+    flush=True,
+  )
+  timings: dict = {}
+  points = replay_vllm(
+    trace,
+    block_size=block_size,
+    capacities=capacities,
+    warmup_fraction=args.warmup_fraction,
+    timings=timings,
+  )
+  rows = [_point_row(p) for p in points]
+  print(_replay_table(rows))
+  print(
+    f"load {load_s:.2f} s, compile {timings['compile_s']:.2f} s, run "
+    f"{timings['run_s']:.2f} s ({len(points)} points)"
+  )
+  if args.json:
+    payload = {
+      "points": rows,
+      "timing": {"load_s": load_s, **timings},
       "trace": trace.name,
       "semantics": args.semantics,
       "warmup_fraction": args.warmup_fraction,

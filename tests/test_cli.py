@@ -174,3 +174,33 @@ def test_cli_debug_shows_the_exception(tmp_path):
 def test_cli_replay_refuses_unimplemented_semantics(capsys):
   assert cli.main(["replay", "--semantics", "sglang"]) == 2
   assert "not implemented yet" in capsys.readouterr().err
+
+
+def test_cli_replay_vllm_semantics_on_token_trace(tmp_path, capsys):
+  trace = tmp_path / "tokens.jsonl"
+  shared = list(range(1, 33))
+  rows = [shared + [40, 41], shared + [50], shared + [60, 61, 62]]
+  trace.write_text(
+    "".join(
+      json.dumps(
+        dict(
+          input_toks=len(ids),
+          output_toks=2,
+          arrival_time_ns=i,
+          input_tok_ids=ids,
+        )
+      )
+      + "\n"
+      for i, ids in enumerate(rows)
+    )
+  )
+  out = tmp_path / "v.json"
+  argv = ["replay", "--trace", str(trace), "--semantics", "vllm"]
+  argv += ["--block-size", "8", "--capacity", "40", "--warmup-fraction", "0"]
+  argv += ["--json", str(out)]
+  assert cli.main(argv) == 0
+  (point,) = json.loads(out.read_text())["points"]
+  # Requests 2 and 3 hit the 32-token shared prefix (4 whole blocks).
+  assert point["hit_tokens"] == 64 and point["policy"] == "lru"
+  assert cli.main(argv + ["--policy", "fifo"]) == 2
+  assert "--policy lru" in capsys.readouterr().err
