@@ -186,6 +186,11 @@ def _add_replay(subparsers) -> None:
   )
   p.add_argument("--limit", type=_positive_int, help="read only N requests")
   p.add_argument("--json", metavar="OUT", help="also write results as JSON")
+  p.add_argument(
+    "--plot",
+    metavar="PNG",
+    help="also plot hit rate against capacity (needs prefixjax[plot])",
+  )
   _add_debug(p)
   p.set_defaults(func=_cmd_replay)
 
@@ -292,6 +297,7 @@ def _cmd_replay(args) -> int:
     with open(args.json, "w") as f:
       json.dump(payload, f, indent=2)
     print(f"wrote {args.json}")
+  _maybe_plot(args, rows, ceiling.hit_rate, trace.name)
   return 0
 
 
@@ -346,7 +352,22 @@ def _replay_vllm(args, trace, load_s) -> int:
     with open(args.json, "w") as f:
       json.dump(payload, f, indent=2)
     print(f"wrote {args.json}")
+  _maybe_plot(args, rows, None, trace.name)
   return 0
+
+
+def _maybe_plot(args, rows, ceiling, name) -> None:
+  if not args.plot:
+    return
+  from prefixjax.plots import plot_hit_rates
+
+  plot_hit_rates(
+    rows,
+    args.plot,
+    title=f"{name}, {args.semantics} semantics",
+    ceiling=ceiling,
+  )
+  print(f"wrote {args.plot}")
 
 
 def _point_row(point) -> dict:

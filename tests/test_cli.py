@@ -204,3 +204,22 @@ def test_cli_replay_vllm_semantics_on_token_trace(tmp_path, capsys):
   assert point["hit_tokens"] == 64 and point["policy"] == "lru"
   assert cli.main(argv + ["--policy", "fifo"]) == 2
   assert "--policy lru" in capsys.readouterr().err
+
+
+def test_plot_hit_rates_writes_png(tmp_path):
+  pytest.importorskip("matplotlib", reason="matplotlib is not installed")
+  from prefixjax.plots import plot_hit_rates
+
+  rows = [
+    dict(policy=p, capacity_blocks=c, hit_rate=r, mode=m)
+    for p, c, r, m in [
+      ("fifo", 10, 0.1, "underfilled"),
+      ("fifo", 100, 0.3, "measured"),
+      ("lru_leaf", 10, 0.2, "measured"),
+      ("lru_leaf", 100, 0.4, "measured"),
+    ]
+  ]
+  path = tmp_path / "hits.png"
+  plot_hit_rates(rows, str(path), title="t", ceiling=0.5)
+  data = path.read_bytes()
+  assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
