@@ -14,17 +14,13 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import time
 
+import _timing
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from prefixjax import paging
 
-POOLS = (4_096, 65_536, 262_144)
 BLOCK_SIZE = 16
 MAX_SEQS = 64
 MAX_BLOCKS_PER_SEQ = 64
@@ -68,22 +64,9 @@ def _scenarios():
   }
 
 
-def _time(fn, *args, repeats):
-  out = fn(*args)
-  jax.block_until_ready(out)  # compile and warm up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times)), out
-
-
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=2000)
-  parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--pools", type=int, nargs="+", default=list(POOLS))
+  _timing.add_scan_args(parser)
   parser.add_argument("--json", help="write the table as JSON here")
   args = parser.parse_args(argv)
 
@@ -106,7 +89,7 @@ def main(argv=None):
 
         return jax.lax.scan(body, state, jnp.arange(args.steps))[0]
 
-      seconds, final = _time(run, state, repeats=args.repeats)
+      seconds, final = _timing.time_median(run, state, repeats=args.repeats)
       errors = paging.check_invariants(final) if pool <= 65_536 else []
       if errors:
         raise SystemExit(f"{name} pool {pool}: invariants broken: {errors}")
@@ -116,21 +99,17 @@ def main(argv=None):
 
   print()
   print(
-    f"jax {jax.__version__} on {jax.default_backend()} "
-    f"({platform.processor() or platform.machine()}), "
-    f"{args.steps} steps x {args.repeats} repeats, median"
+    f"{_timing.machine()}, {args.steps} steps x {args.repeats} repeats, median"
   )
-  header = f"{'scenario':36s}" + "".join(f"{p:>12,d}" for p in args.pools)
-  print(header + "   max/min")
-  for name in _scenarios():
-    cells = [r["us_per_op"] for r in rows if r["scenario"] == name]
-    ratio = max(cells) / min(cells)
-    flat = "flat" if ratio <= 2 else "NOT FLAT"
-    line = f"{name:36s}" + "".join(f"{c:10.2f}us" for c in cells)
-    print(f"{line}   {ratio:5.2f} {flat}")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump({"jax": jax.__version__, "rows": rows}, f, indent=2)
+  _timing.print_flatness_table(
+    rows,
+    _scenarios(),
+    args.pools,
+    value="us_per_op",
+    name_width=36,
+    cell_width=10,
+  )
+  _timing.write_json(args.json, rows)
 
 
 if __name__ == "__main__":

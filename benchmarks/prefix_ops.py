@@ -26,11 +26,9 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import time
 
+import _timing
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,7 +36,6 @@ import numpy as np
 from prefixjax import hashing
 from prefixjax import prefix_cache as pc
 
-POOLS = (4_096, 65_536, 262_144)
 BLOCK_SIZE = 16
 MAX_SEQS = 8
 MAX_BLOCKS_PER_SEQ = 8
@@ -79,22 +76,9 @@ def _serve(state, keys):
   return state, jnp.max(status)
 
 
-def _time(fn, *args, repeats):
-  out = fn(*args)
-  jax.block_until_ready(out)  # compile and warm up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times)), out
-
-
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=2000)
-  parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--pools", type=int, nargs="+", default=list(POOLS))
+  _timing.add_scan_args(parser)
   parser.add_argument("--check", action="store_true", help="check invariants")
   parser.add_argument("--free-order", default="append", choices=pc.FREE_ORDERS)
   parser.add_argument("--json", help="write the table as JSON here")
@@ -117,7 +101,7 @@ def main(argv=None):
         # been cycled through (none of these ids occur later).
         fill = _keys(2**36, pool // MAX_BLOCKS_PER_SEQ + 1, shared=0)
         state, _ = _serve(state, fill)
-      seconds, (final, status) = _time(
+      seconds, (final, status) = _timing.time_median(
         _serve, state, keys, repeats=args.repeats
       )
       if int(status) != 0:
@@ -148,22 +132,19 @@ def main(argv=None):
   )
   print()
   print(
-    f"jax {jax.__version__} on {jax.default_backend()} "
-    f"({platform.processor() or platform.machine()}), cpus {affinity}, "
+    f"{_timing.machine()}, cpus {affinity}, "
     f"{args.steps} requests x {args.repeats} repeats, median, "
     f"free_order={args.free_order}"
   )
-  header = f"{'scenario':12s}" + "".join(f"{p:>14,d}" for p in args.pools)
-  print(header + "   max/min")
-  for name in scenarios:
-    cells = [r["us_per_request"] for r in rows if r["scenario"] == name]
-    ratio = max(cells) / min(cells)
-    flat = "flat" if ratio <= 2 else "NOT FLAT"
-    line = f"{name:12s}" + "".join(f"{c:12.2f}us" for c in cells)
-    print(f"{line}   {ratio:5.2f} {flat}")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump({"jax": jax.__version__, "rows": rows}, f, indent=2)
+  _timing.print_flatness_table(
+    rows,
+    scenarios,
+    args.pools,
+    value="us_per_request",
+    name_width=12,
+    cell_width=12,
+  )
+  _timing.write_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -122,6 +122,19 @@ def check_range(
     )
 
 
+def shape_structs(*arrays: Any) -> list[jax.ShapeDtypeStruct]:
+  """``out_shape`` for outputs shaped like ``arrays`` (e.g. aliased pools)."""
+  return [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays]
+
+
+def start_then_wait(copies: list[Any]) -> None:
+  """Starts every async copy (DMA descriptor), then waits for all of them."""
+  for copy in copies:
+    copy.start()
+  for copy in copies:
+    copy.wait()
+
+
 def default_scale(scale: float | None, head_dim: int) -> float:
   return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 

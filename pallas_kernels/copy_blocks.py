@@ -50,10 +50,7 @@ def copy_blocks_kernel(
         ((k_pages_ref, k_out_ref), (v_pages_ref, v_out_ref))
       )
     ]
-    for copy in copies:
-      copy.start()
-    for copy in copies:
-      copy.wait()
+    _common.start_then_wait(copies)
 
 
 def copy_blocks_unbatched(
@@ -75,10 +72,7 @@ def copy_blocks_unbatched(
       out_specs=[any_spec, any_spec],
       scratch_shapes=[pltpu.SemaphoreType.DMA((2,))],
     ),
-    out_shape=[
-      jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-      jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype),
-    ],
+    out_shape=_common.shape_structs(k_pages, v_pages),
     input_output_aliases={2: 0, 3: 1},
     compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
     interpret=interpret,

@@ -49,6 +49,33 @@ def merge_attention_states_unbatched(
   interpret: Any,
 ) -> tuple[jax.Array, jax.Array]:
   """TPU grid setup: one request per step, all heads in one block."""
+  return merge_attention_states_call(
+    o_a,
+    lse_a,
+    o_b,
+    lse_b,
+    compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+    interpret=interpret,
+    name="merge_attention_states",
+  )
+
+
+def merge_attention_states_call(
+  o_a: jax.Array,  # [B, H, D]
+  lse_a: jax.Array,  # [B, H, 1]
+  o_b: jax.Array,  # [B, H, D]
+  lse_b: jax.Array,  # [B, H, 1]
+  *,
+  compiler_params: Any,
+  interpret: Any,
+  name: str,
+) -> tuple[jax.Array, jax.Array]:
+  """The launch of both variants: grid ``(B,)``, all heads in one block.
+
+  Only plain ``pl.BlockSpec``s, so it serves the TPU variant and the GPU
+  variant (:mod:`pallas_kernels.gpu.merge_attention_states`) alike; each
+  passes its own ``compiler_params`` and ``name``.
+  """
   batch, num_heads, head_dim = o_a.shape
   o_spec = pl.BlockSpec((None, num_heads, head_dim), lambda b: (b, 0, 0))
   lse_spec = pl.BlockSpec((None, num_heads, 1), lambda b: (b, 0, 0))
@@ -61,9 +88,9 @@ def merge_attention_states_unbatched(
       jax.ShapeDtypeStruct(o_a.shape, o_a.dtype),
       jax.ShapeDtypeStruct(lse_a.shape, jnp.float32),
     ],
-    compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+    compiler_params=compiler_params,
     interpret=interpret,
-    name="merge_attention_states",
+    name=name,
   )(o_a, lse_a, o_b, lse_b)
 
 

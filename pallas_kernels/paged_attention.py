@@ -245,6 +245,20 @@ def paged_flash(
   )
 
 
+def decode_outputs(
+  q: jax.Array,  # [B, Hq, D]
+  o: jax.Array,  # [B, Hkv, g, D] (or any shape of B * Hq * D elements)
+  lse: jax.Array,  # [B, Hkv, g, 1] (or any shape of B * Hq elements)
+  return_lse: bool,
+):
+  """Per-KV-head results back to ``o [B, Hq, D]`` in ``q.dtype`` and, if
+  ``return_lse``, ``lse [B, Hq]``: the public decode kernels' outputs."""
+  batch, num_q_heads, head_dim = q.shape
+  o = o.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+  lse = lse.reshape(batch, num_q_heads)
+  return (o, lse) if return_lse else o
+
+
 def paged_attention_reference(
   q: jax.Array,
   k_pages: jax.Array,
@@ -281,9 +295,7 @@ def paged_attention_reference(
   v = jnp.where(valid[:, None, :, None], v, 0.0)
   acc = jnp.einsum("bhgl,bhld->bhgd", p, v, precision=lax.Precision.HIGHEST)
   o, lse = _common.finalize(m_safe, denom, acc)
-  o = o.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
-  lse = lse.reshape(batch, num_q_heads)
-  return (o, lse) if return_lse else o
+  return decode_outputs(q, o, lse, return_lse)
 
 
 @functools.partial(
@@ -326,9 +338,7 @@ def _paged_attention(
     backend=backend,
     interpret=interpret,
   )
-  o = o.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
-  lse = lse.reshape(batch, num_q_heads)
-  return (o, lse) if return_lse else o
+  return decode_outputs(q, o, lse, return_lse)
 
 
 def check_tables(

@@ -46,6 +46,7 @@ from pallas_kernels import _common
 from pallas_kernels._dispatch import resolve_backend
 from pallas_kernels.paged_attention import (
   check_tables,
+  decode_outputs,
   paged_attention_reference,
   paged_flash,
 )
@@ -215,9 +216,7 @@ def _shared_prefix_attention(
     interpret=interpret,
   )
   o, lse = _common.merge_states(o_prefix, lse_prefix, o_suffix, lse_suffix)
-  o = o.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
-  lse = lse.reshape(batch, num_q_heads)
-  return (o, lse) if return_lse else o
+  return decode_outputs(q, o, lse, return_lse)
 
 
 def shared_prefix_attention(

@@ -60,10 +60,7 @@ def write_kv_kernel(
         ((k_new_ref, k_out_ref), (v_new_ref, v_out_ref))
       )
     ]
-    for copy in copies:
-      copy.start()
-    for copy in copies:
-      copy.wait()
+    _common.start_then_wait(copies)
 
 
 def write_kv_unbatched(
@@ -91,10 +88,7 @@ def write_kv_unbatched(
       out_specs=[any_spec, any_spec],
       scratch_shapes=[pltpu.SemaphoreType.DMA((2,))],
     ),
-    out_shape=[
-      jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-      jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype),
-    ],
+    out_shape=_common.shape_structs(k_pages, v_pages),
     input_output_aliases={3: 0, 4: 1},
     compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
     interpret=interpret,

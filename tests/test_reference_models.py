@@ -252,15 +252,21 @@ def test_vllm_hashed_blocks_and_fresh_output_ids():
   c.check_invariants()
 
 
+def _requests_on_shared_prefixes(rng, count=40):
+  """``count`` ``(prompt, output)`` token lists: a cut of one of three shared
+  prefixes plus a short tail, so requests share and diverge anywhere."""
+  prefixes = [list(rng.integers(0, 50, size=int(n))) for n in (4, 7, 10)]
+  for _ in range(count):
+    p = prefixes[int(rng.integers(3))][: int(rng.integers(1, 11))]
+    p = p + list(rng.integers(0, 3, size=int(rng.integers(0, 4))))
+    yield p, list(rng.integers(0, 3, size=int(rng.integers(0, 6))))
+
+
 def test_vllm_hashed_matches_token_mode_given_token_keys(rng):
   bs = 3
   tok = VllmPrefixCache.from_capacity(9, bs, "append")
   hsh = VllmPrefixCache.from_capacity(9, bs, "append")
-  prefixes = [list(rng.integers(0, 50, size=int(n))) for n in (4, 7, 10)]
-  for _ in range(40):
-    p = prefixes[int(rng.integers(3))][: int(rng.integers(1, 11))]
-    p = p + list(rng.integers(0, 3, size=int(rng.integers(0, 4))))
-    out = list(rng.integers(0, 3, size=int(rng.integers(0, 6))))
+  for p, out in _requests_on_shared_prefixes(rng):
     if not tok.fits(len(p), len(out)):
       continue
     keys = block_keys_for_tokens(p + out, bs)
@@ -404,6 +410,29 @@ def make_workload(draw_int, n_requests: int, vocab: int = 3):
   return reqs
 
 
+def replay_checked(cache, requests, out_of_space, unit: int):
+  """Runs ``requests`` through ``cache`` with the checks both models share.
+
+  A request that does not fit must raise ``out_of_space``. An admitted one
+  must hit whole ``unit``s (blocks or pages), leave at least one prompt
+  token to compute and hit no more than the ideal unbounded cache; the
+  invariants must hold after it. Yields after each admitted request, for
+  the model's own checks.
+  """
+  seen: dict = {None: [], "salt": []}
+  for p, out, extra in requests:
+    if not cache.fits(len(p), len(out)):
+      with pytest.raises(out_of_space):
+        cache.run_request(p, out, extra)
+      continue
+    hit = cache.run_request(p, out, extra)
+    assert 0 <= hit <= len(p) - 1 and hit % unit == 0
+    assert hit <= ideal_hit(seen[extra], p, unit)
+    seen[extra].append((p + out)[: len(p) + max(len(out), 1) - 1])
+    cache.check_invariants()
+    yield
+
+
 workloads = st.data()
 
 
@@ -417,17 +446,7 @@ workloads = st.data()
 def test_vllm_replay_invariants(data, bs, cap, free_order):
   draw = lambda lo, hi: data.draw(st.integers(lo, hi))
   c = VllmPrefixCache.from_capacity(cap, bs, free_order)
-  seen: dict = {None: [], "salt": []}
-  for p, out, extra in make_workload(draw, 25):
-    if not c.fits(len(p), len(out)):
-      with pytest.raises(OutOfBlocks):
-        c.run_request(p, out, extra)
-      continue
-    hit = c.run_request(p, out, extra)
-    assert 0 <= hit <= len(p) - 1 and hit % bs == 0
-    assert hit <= ideal_hit(seen[extra], p, bs)
-    seen[extra].append((p + out)[: len(p) + max(len(out), 1) - 1])
-    c.check_invariants()
+  for _ in replay_checked(c, make_workload(draw, 25), OutOfBlocks, bs):
     assert c.num_free == c.capacity  # nothing runs between requests
     assert sorted(c.free_queue_order()) == list(range(1, cap + 1))
     assert all(c.refcount(b) == 0 for b in range(1, cap + 1))
@@ -485,17 +504,7 @@ def test_sglang_replay_invariants(data, ps, cap, gran, conservative):
   c = SglangRadixCache(
     cap, ps, granularity=gran, conservative_evict=conservative
   )
-  seen: dict = {None: [], "salt": []}
-  for p, out, extra in make_workload(draw, 25):
-    if not c.fits(len(p), len(out)):
-      with pytest.raises(OutOfPages):
-        c.run_request(p, out, extra)
-      continue
-    hit = c.run_request(p, out, extra)
-    assert 0 <= hit <= len(p) - 1 and hit % ps == 0
-    assert hit <= ideal_hit(seen[extra], p, ps)
-    seen[extra].append((p + out)[: len(p) + max(len(out), 1) - 1])
-    c.check_invariants()
+  for _ in replay_checked(c, make_workload(draw, 25), OutOfPages, ps):
     assert c.protected_size() == 0 and c.private_pages() == 0
     assert c.evictable_size() == c.cached_pages() * ps
     assert c.cached_pages() + c.num_free_pages == cap
@@ -520,11 +529,7 @@ def test_sglang_hashed_matches_token_mode_given_token_keys(rng):
   ps = 3
   tok = SglangRadixCache(9, ps)
   hsh = SglangRadixCache(9, ps)
-  prefixes = [list(rng.integers(0, 50, size=int(n))) for n in (4, 7, 10)]
-  for _ in range(40):
-    p = prefixes[int(rng.integers(3))][: int(rng.integers(1, 11))]
-    p = p + list(rng.integers(0, 3, size=int(rng.integers(0, 4))))
-    out = list(rng.integers(0, 3, size=int(rng.integers(0, 6))))
+  for p, out in _requests_on_shared_prefixes(rng):
     if not tok.fits(len(p), len(out)):
       continue
     keys = page_keys_for_tokens(p + out, ps)

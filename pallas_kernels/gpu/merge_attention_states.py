@@ -1,30 +1,18 @@
-"""GPU (Triton-style) variant of the log-sum-exp merge."""
+"""GPU (Triton-style) variant of the log-sum-exp merge.
+
+The kernel body and the launch are the TPU variant's
+(:func:`pallas_kernels.merge_attention_states.merge_attention_states_call`,
+plain ``pl.BlockSpec``s); only the compiler params and the name differ.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
-from pallas_kernels import _common
 from pallas_kernels.gpu.paged_attention import compiler_params
-
-
-def merge_attention_states_kernel(
-  o_a_ref,  # [H, D]
-  lse_a_ref,  # [H, 1] f32
-  o_b_ref,  # [H, D]
-  lse_b_ref,  # [H, 1] f32
-  o_ref,  # [H, D]
-  lse_ref,  # [H, 1] f32
-):
-  o, lse = _common.merge_states(
-    o_a_ref[...], lse_a_ref[...], o_b_ref[...], lse_b_ref[...]
-  )
-  o_ref[...] = o.astype(o_ref.dtype)
-  lse_ref[...] = lse
+from pallas_kernels.merge_attention_states import merge_attention_states_call
 
 
 def merge_attention_states_unbatched(
@@ -36,19 +24,12 @@ def merge_attention_states_unbatched(
   interpret: Any,
 ) -> tuple[jax.Array, jax.Array]:
   """GPU grid setup: one program per request."""
-  batch, num_heads, head_dim = o_a.shape
-  o_spec = pl.BlockSpec((None, num_heads, head_dim), lambda b: (b, 0, 0))
-  lse_spec = pl.BlockSpec((None, num_heads, 1), lambda b: (b, 0, 0))
-  return pl.pallas_call(
-    merge_attention_states_kernel,
-    grid=(batch,),
-    in_specs=[o_spec, lse_spec, o_spec, lse_spec],
-    out_specs=[o_spec, lse_spec],
-    out_shape=[
-      jax.ShapeDtypeStruct(o_a.shape, o_a.dtype),
-      jax.ShapeDtypeStruct(lse_a.shape, jnp.float32),
-    ],
+  return merge_attention_states_call(
+    o_a,
+    lse_a,
+    o_b,
+    lse_b,
     compiler_params=compiler_params(interpret, num_warps=4, num_stages=1),
     interpret=interpret,
     name="merge_attention_states_gpu",
-  )(o_a, lse_a, o_b, lse_b)
+  )

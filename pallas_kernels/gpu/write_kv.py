@@ -7,6 +7,7 @@ from typing import Any
 import jax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import _common
 from pallas_kernels.gpu.paged_attention import compiler_params
 
 
@@ -54,10 +55,7 @@ def write_kv_unbatched(
       pool_spec,
     ],
     out_specs=[pool_spec, pool_spec],
-    out_shape=[
-      jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-      jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype),
-    ],
+    out_shape=_common.shape_structs(k_pages, v_pages),
     input_output_aliases={3: 0, 4: 1},
     compiler_params=compiler_params(interpret, num_warps=1, num_stages=1),
     interpret=interpret,

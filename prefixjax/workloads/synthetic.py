@@ -335,10 +335,12 @@ def system_prompt_workload(
 
 
 def _growing_sessions(
-  builder: _Builder,
+  rng: np.random.Generator,
   num_requests: int,
   *,
-  first_prompt: Callable[[], np.ndarray],
+  vocab_size: int,
+  shared_len: tuple[int, int],
+  first_len: tuple[int, int],
   num_steps: tuple[int, int],
   output_len: tuple[int, int],
   appended_len: tuple[int, int],
@@ -346,14 +348,23 @@ def _growing_sessions(
   rate: float,
   max_input_len: int,
 ) -> Trace:
-  """Sessions whose next prompt = prompt + answer + new appended tokens."""
-  rng = builder.rng
+  """Sessions whose next prompt = prompt + answer + new appended tokens.
+
+  Every session's first prompt is one prefix shared by all sessions
+  (`shared_len` tokens, drawn once) then `first_len` tokens of its own;
+  `max_input_len` must leave room for the longest first prompt.
+  """
+  builder = _Builder(rng, _int_param("vocab_size", vocab_size, 2))
+  shared = builder.tokens(builder.length(shared_len))
+  max_input_len = _int_param(
+    "max_input_len", max_input_len, shared.shape[0] + first_len[1]
+  )
   session = 0
   start = 0.0
   while len(builder) < num_requests:
     start += rng.exponential(1.0 / rate)
     steps = builder.length(num_steps)
-    prompt = first_prompt()
+    prompt = np.concatenate([shared, builder.tokens(builder.length(first_len))])
     arrival = start
     for step in range(steps):
       if len(builder) == num_requests:
@@ -412,17 +423,12 @@ def multi_turn_workload(
   output_len = _range_param("output_len", output_len, 1)
   think_time_s = _float_param("think_time_s", think_time_s, strict=False)
   rate = _float_param("rate", rate)
-  builder = _Builder(rng, _int_param("vocab_size", vocab_size, 2))
-  system = builder.tokens(builder.length(system_prompt_len))
-  max_input_len = _int_param(
-    "max_input_len", max_input_len, system.shape[0] + question_len[1]
-  )
   return _growing_sessions(
-    builder,
+    rng,
     num_requests,
-    first_prompt=lambda: np.concatenate(
-      [system, builder.tokens(builder.length(question_len))]
-    ),
+    vocab_size=vocab_size,
+    shared_len=system_prompt_len,
+    first_len=question_len,
     num_steps=num_turns,
     output_len=output_len,
     appended_len=question_len,
@@ -475,17 +481,12 @@ def agent_workload(
   observation_len = _range_param("observation_len", observation_len, 0)
   tool_time_s = _float_param("tool_time_s", tool_time_s, strict=False)
   rate = _float_param("rate", rate)
-  builder = _Builder(rng, _int_param("vocab_size", vocab_size, 2))
-  instructions = builder.tokens(builder.length(instructions_len))
-  max_input_len = _int_param(
-    "max_input_len", max_input_len, instructions.shape[0] + task_len[1]
-  )
   return _growing_sessions(
-    builder,
+    rng,
     num_requests,
-    first_prompt=lambda: np.concatenate(
-      [instructions, builder.tokens(builder.length(task_len))]
-    ),
+    vocab_size=vocab_size,
+    shared_len=instructions_len,
+    first_len=task_len,
     num_steps=num_steps,
     output_len=action_len,
     appended_len=observation_len,
