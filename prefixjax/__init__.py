@@ -13,7 +13,16 @@ Example:
   'OK'
 """
 
-from prefixjax import hashing, index, paging, prefix_cache, replay, workloads
+from prefixjax import (
+  hashing,
+  index,
+  paging,
+  plots,
+  prefix_cache,
+  replay,
+  serving_replay,
+  workloads,
+)
 from prefixjax.paging import (
   NO_BLOCK,
   NULL_BLOCK,
@@ -81,10 +90,12 @@ __all__ = [
   "load_trace",
   "merge_traces",
   "paging",
+  "plots",
   "prefix_cache",
   "register_workload",
   "release",
   "replay",
+  "serving_replay",
   "slot_mapping",
   "workload_defaults",
   "workload_kinds",
