@@ -46,22 +46,31 @@ caching (see ``tests/reference_models/vllm_apc.py``, the test oracle):
   hashed ones at the tail: vLLM >= 0.23). Hashed blocks stay findable on
   the free queue until reused.
 
-Eviction policy. This slice implements ``lru``: the free queue *is* the
-eviction order (head = next victim). Other policies (``lru_leaf``, ``lfu``,
-``fifo``, ``belady``) plug in at exactly two points, with per-block metadata
-in an extra ``policy_state`` pytree field (``[N]`` arrays: last use, use
-count, next use, cached-child count): (1) the verbs call an
-``on_touch(policy_state, blocks, now)`` / ``on_release(...)`` /
-``on_publish(...)`` rule to update the metadata, and (2) fresh blocks are
-chosen by a ``select(policy_state, state, count)`` rule instead of popping
-the queue head: unhashed free blocks first, then the free hashed blocks with
-the lowest score (a masked ``top_k`` over ``[N]``, vmappable), each removed
-with :func:`prefixjax.paging.unlink_free`; identity eviction and the rest of
-the verbs stay as they are. ``lru`` keeps O(blocks touched) cost because its
-order is maintained incrementally by the queue.
+Eviction policy (static, :mod:`prefixjax.policies`, set at :func:`init`).
+The default ``lru`` is vLLM's: the free queue *is* the eviction order (head
+= next victim), maintained incrementally, O(blocks touched). Every other
+policy scores blocks from per-block metadata in ``policy_state`` (``[N]``
+arrays), which the verbs update through the policy's hooks: ``on_touch``
+for the hit blocks in :func:`allocate_with_prefix`, ``on_publish`` for the
+blocks :func:`publish` gives a key, both at the request step ``clock`` and
+with the caller's optional ``next_use`` per block (``belady``). Blocks are
+then taken as follows: free blocks without a hash first, in queue order
+(such policies require ``free_order="prepend_unhashed"``, which keeps them
+at the queue head), and for the rest, one victim at a time, the free cached
+block with the lowest score (an O(N) masked reduction, vmappable; ties: the
+deepest block, i.e. the largest table column at publish, then the lowest
+id); it loses its identity and leaves the queue
+(:func:`prefixjax.paging.unlink_free`) before the ordinary pops take it.
+:func:`append` and :func:`copy_on_write` take blocks the same way. For
+``leaf_only`` policies (``lru_leaf``, ``belady_leaf``) the cache also keeps
+each cached block's parent (the block before it in the publishing table)
+and its number of cached children; only blocks without one are eligible
+(all free cached blocks if none is: a child pinned by a running sequence
+under a free parent).
 
-Cost: every verb is O(M) lanes plus O(1) expected index probes per block
-touched, published or evicted; nothing scans the pool. Values read from the
+Cost: with ``lru`` every verb is O(M) lanes plus O(1) expected index probes
+per block touched, published or evicted; nothing scans the pool. Scoring
+policies add an O(N) reduction per victim. Values read from the
 state pass through :func:`prefixjax.paging.settle` before it is written
 (see there why).
 
@@ -71,7 +80,7 @@ slots, ``M`` block-table columns, ``K`` block size, ``C`` index slots.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +89,7 @@ from flax import struct
 
 from prefixjax import hashing, paging
 from prefixjax import index as index_lib
+from prefixjax import policies as policies_lib
 from prefixjax.paging import NO_BLOCK, NULL_BLOCK, Status, gather, scatter
 
 __all__ = [
@@ -158,10 +168,21 @@ class PrefixCacheState:
       under; its blocks are published under that version, so KV computed
       before a bump never becomes matchable after it.
     stats: :class:`CacheStats`.
+    clock: ``[]`` int32 request step: :func:`allocate_with_prefix` advances
+      it (the first request is step 1); the policy hooks see it as ``now``.
+    block_parent: ``[N]`` int32 for ``leaf_only`` policies, the block before
+      each cached block in the table that published it (``NO_BLOCK`` for a
+      first block, an unhashed block, or when unused).
+    num_children: ``[N]`` int32 for ``leaf_only`` policies, cached blocks
+      whose ``block_parent`` is this block.
+    block_depth: ``[N]`` int32 for scoring policies, the table column each
+      block was published at (the first tie-break: deeper blocks first).
+    policy_state: the policy's metadata pytree (``policy.init(N)``).
     free_order: static, where released blocks join the free queue:
       ``"append"`` (all at the tail, last block first: vLLM <= 0.22 and the
       paging core) or ``"prepend_unhashed"`` (unhashed ones at the head,
       hashed ones at the tail: vLLM >= 0.23).
+    policy: static, the :class:`prefixjax.policies.EvictionPolicy`.
   """
 
   paging: paging.PagingState
@@ -172,7 +193,15 @@ class PrefixCacheState:
   version: jax.Array  # [] uint32
   seq_version: jax.Array  # [S] uint32
   stats: CacheStats
+  clock: jax.Array  # [] int32
+  block_parent: jax.Array  # [N] int32
+  num_children: jax.Array  # [N] int32
+  block_depth: jax.Array  # [N] int32
+  policy_state: Any
   free_order: str = struct.field(pytree_node=False, default="append")
+  policy: policies_lib.EvictionPolicy = struct.field(
+    pytree_node=False, default=policies_lib.lru()
+  )
 
   @property
   def num_blocks(self) -> int:
@@ -260,7 +289,8 @@ def init(
   index_load: float = 0.5,
   index_capacity: int | None = None,
   max_probes: int = 128,
-  free_order: str = "append",
+  free_order: str | None = None,
+  policy: str | policies_lib.EvictionPolicy = "lru",
 ) -> PrefixCacheState:
   """Creates an empty prefix cache.
 
@@ -274,7 +304,12 @@ def init(
     index_capacity: overrides ``C`` (validated against ``index_load``).
     max_probes: the index probe bound.
     free_order: ``"append"`` or ``"prepend_unhashed"`` (see
-      :class:`PrefixCacheState`).
+      :class:`PrefixCacheState`); default ``"append"`` for ``lru`` and
+      ``"prepend_unhashed"`` (required) for every other policy, which keeps
+      the free blocks without a hash at the queue head.
+    policy: a registered policy name (:func:`prefixjax.policies.get_policy`
+      with default hyperparameters) or an
+      :class:`prefixjax.policies.EvictionPolicy`.
 
   Returns:
     A :class:`PrefixCacheState`.
@@ -288,8 +323,22 @@ def init(
     >>> s.index.capacity, int(s.paging.num_free)
     (128, 63)
   """
+  if isinstance(policy, str):
+    policy = policies_lib.get_policy(policy)
+  if not isinstance(policy, policies_lib.EvictionPolicy):
+    raise TypeError(
+      f"policy must be a name or an EvictionPolicy, got {type(policy)}"
+    )
+  queue_order = policy.score is None
+  if free_order is None:
+    free_order = "append" if queue_order else "prepend_unhashed"
   if free_order not in FREE_ORDERS:
     raise ValueError(f"{free_order=} must be one of {FREE_ORDERS}")
+  if not queue_order and free_order != "prepend_unhashed":
+    raise ValueError(
+      f"{free_order=}: a scoring policy needs free_order='prepend_unhashed' "
+      "(free blocks without a hash must stay at the queue head)"
+    )
   pstate = paging.init(
     num_blocks=num_blocks,
     block_size=block_size,
@@ -312,7 +361,13 @@ def init(
     version=jnp.zeros((), jnp.uint32),
     seq_version=jnp.zeros((max_seqs,), jnp.uint32),
     stats=CacheStats(*([zero] * len(CacheStats.__dataclass_fields__))),
+    clock=zero,
+    block_parent=jnp.full((num_blocks,), NO_BLOCK, jnp.int32),
+    num_children=jnp.zeros((num_blocks,), jnp.int32),
+    block_depth=jnp.zeros((num_blocks,), jnp.int32),
+    policy_state=policy.init(num_blocks),
     free_order=free_order,
+    policy=policy,
   )
 
 
@@ -393,7 +448,85 @@ def _evict_one(state: PrefixCacheState, block, ok):
     dup_prev=dup_prev,
     stats=stats,
   )
+  if state.policy.leaf_only:
+    state = _unlink_parent(state, block, has)
   return state, one
+
+
+def _unlink_parent(state: PrefixCacheState, block, has):
+  """Leaf bookkeeping when ``block`` (``has``) loses its identity."""
+  parent = gather(state.block_parent, block[None], NO_BLOCK)[0]
+  parent = _settle(state, parent)[0]
+  num_children = paging.scatter_add(
+    state.num_children, parent[None], -1, has & (parent != NO_BLOCK)
+  )
+  num_children = scatter(num_children, block[None], 0, has)
+  # Only the fallback rule evicts a block with cached children: they become
+  # first blocks of their chains (O(N), as the scan that chose the block).
+  block_parent = jnp.where(
+    has & (state.block_parent == block), NO_BLOCK, state.block_parent
+  )
+  block_parent = scatter(block_parent, block[None], NO_BLOCK, has)
+  return state.replace(block_parent=block_parent, num_children=num_children)
+
+
+def _link_parents(state: PrefixCacheState, row, published_now):
+  """Leaf bookkeeping for blocks ``row[published_now]`` just published: the
+  parent of column ``i`` is column ``i - 1`` when that block is cached."""
+  prev = jnp.concatenate([jnp.full((1,), NO_BLOCK, jnp.int32), row[:-1]])
+  prev_cached = gather(state.paging.published, prev, False)
+  parent = jnp.where(prev_cached, prev, NO_BLOCK)
+  parent = _settle(state, parent)[0]
+  return state.replace(
+    block_parent=scatter(state.block_parent, row, parent, published_now),
+    num_children=paging.scatter_add(
+      state.num_children, parent, 1, published_now & (parent != NO_BLOCK)
+    ),
+  )
+
+
+def _promote_victims(state: PrefixCacheState, need, ok):
+  """Scoring policies: makes the next ``need`` queue pops policy-correct.
+
+  Free blocks without a hash sit at the queue head (``prepend_unhashed``)
+  and are used first. For the shortfall, the policy's victims are chosen one
+  at a time (each a masked reduction over ``[N]``; an eviction may turn its
+  parent into a leaf), lose their identity, and are moved to the queue head
+  in that order, where the caller's pops take them.
+
+  Returns:
+    ``(state, num_victims)``.
+  """
+  m = state.max_blocks_per_seq
+  unhashed = state.paging.num_free - state.stats.num_cached_free
+  count = jnp.where(ok, jnp.clip(need - unhashed, 0, m), 0)
+
+  def body(c):
+    i, state, victims = c
+    evictable = (state.paging.refcounts == 0) & (state.dup_next != NO_BLOCK)
+    leaf = state.num_children == 0
+    victim = policies_lib.select_victim(
+      state.policy,
+      state.policy_state,
+      state.clock,
+      evictable,
+      leaf,
+      state.block_depth,
+    )
+    victim = _settle(state, victim)[0]
+    found = victim != NO_BLOCK
+    state, _ = _evict_one(state, victim, found)
+    pstate = paging.unlink_free(state.paging, victim, found)
+    return i + 1, state.replace(paging=pstate), victims.at[i].set(victim)
+
+  _, state, victims = jax.lax.while_loop(
+    lambda c: c[0] < count,
+    body,
+    (jnp.int32(0), state, jnp.full((m,), NO_BLOCK, jnp.int32)),
+  )
+  num = jnp.sum((victims != NO_BLOCK).astype(jnp.int32))
+  pstate = _push_free_head(state.paging, victims, num)
+  return state.replace(paging=pstate), num
 
 
 def _evict_popped(state: PrefixCacheState, blocks: jax.Array, count):
@@ -447,8 +580,13 @@ def _match_jit(state, block_keys, num_prompt_tokens):
 
 
 @jax.jit
-def _allocate_with_prefix(state, seq_id, block_keys, num_prompt_tokens):
+def _allocate_with_prefix(
+  state, seq_id, block_keys, num_prompt_tokens, next_use=None
+):
   k, m = state.block_size, state.max_blocks_per_seq
+  policy = state.policy
+  if next_use is None:
+    next_use = jnp.full((m,), policies_lib.NEVER, jnp.int32)
   pstate = state.paging
   hit = _match(state, _versioned(state, block_keys), num_prompt_tokens)
   total = paging._blocks_for(num_prompt_tokens, k)
@@ -469,10 +607,19 @@ def _allocate_with_prefix(state, seq_id, block_keys, num_prompt_tokens):
   status, hit, num_new = _settle(state, status, hit, num_new)
   ok = status == Status.OK
   num_hits = jnp.where(ok, hit.num_hit_blocks, 0)
+  now = state.clock + ok.astype(jnp.int32)
+  policy_state = policy.on_touch(
+    state.policy_state, hit.hit_blocks, lanes < num_hits, now, next_use
+  )
+  state = state.replace(clock=now, policy_state=policy_state)
   state = _touch(state, hit.hit_blocks, num_hits)
+  num_victims = jnp.int32(0)
+  if policy.score is not None:
+    state, num_victims = _promote_victims(state, num_new, ok)
   pstate, new = paging.pop_free(state.paging, num_new, ok)
   state = state.replace(paging=pstate)
   state, num_evicted = _evict_popped(state, new, jnp.where(ok, num_new, 0))
+  num_evicted = num_evicted + num_victims
   row = jnp.where(
     lanes < num_hits, hit.hit_blocks, gather(new, lanes - num_hits, NO_BLOCK)
   )
@@ -509,8 +656,32 @@ def _allocate_with_prefix(state, seq_id, block_keys, num_prompt_tokens):
   )
 
 
+def _append_need(state: PrefixCacheState, seq_id, num_new_tokens):
+  """Blocks :func:`prefixjax.paging.append` will pop, and whether it will
+  succeed (its checks, repeated)."""
+  k, pstate = state.block_size, state.paging
+  tokens = gather(pstate.num_tokens, seq_id[None])[0]
+  total = tokens + num_new_tokens
+  count = paging._blocks_for(total, k) - paging._blocks_for(tokens, k)
+  copy = paging._last_block(pstate, seq_id)[-1] & (num_new_tokens > 0)
+  need = count + copy.astype(jnp.int32)
+  status = paging._first_error(
+    *_seq_checks(state, seq_id, want_active=True),
+    (num_new_tokens < 0, Status.BAD_COUNT),
+    (
+      paging._blocks_for(total, k) > state.max_blocks_per_seq,
+      Status.TABLE_OVERFLOW,
+    ),
+    (need > pstate.num_free, Status.OUT_OF_BLOCKS),
+  )
+  return _settle(state, need, status == Status.OK)
+
+
 @jax.jit
 def _append(state, seq_id, num_new_tokens):
+  if state.policy.score is not None:
+    need, ok = _append_need(state, seq_id, num_new_tokens)
+    state, _ = _promote_victims(state, need, ok)
   pstate, r = paging._append(state.paging, seq_id, num_new_tokens)
   state = state.replace(paging=pstate)
   state, _ = _evict_popped(state, r.dst, r.num_copies)
@@ -520,6 +691,14 @@ def _append(state, seq_id, num_new_tokens):
 
 @jax.jit
 def _copy_on_write(state, seq_id):
+  if state.policy.score is not None:
+    needed = paging._last_block(state.paging, seq_id)[-1]
+    status = paging._first_error(
+      *_seq_checks(state, seq_id, want_active=True),
+      (needed & (state.paging.num_free < 1), Status.OUT_OF_BLOCKS),
+    )
+    needed, ok = _settle(state, needed, status == Status.OK)
+    state, _ = _promote_victims(state, needed.astype(jnp.int32), ok)
   pstate, r = paging._copy_on_write(state.paging, seq_id)
   state, _ = _evict_popped(state.replace(paging=pstate), r.dst, r.num_copies)
   return state, r
@@ -536,8 +715,10 @@ def _fork(state, parent_id, child_id):
 
 
 @jax.jit
-def _publish(state, seq_id, block_keys, num_tokens):
+def _publish(state, seq_id, block_keys, num_tokens, next_use=None):
   k, m = state.block_size, state.max_blocks_per_seq
+  if next_use is None:
+    next_use = jnp.full((m,), policies_lib.NEVER, jnp.int32)
   version = gather(state.seq_version, seq_id[None], 0)[0]
   vkeys = _versioned(state, block_keys, version)
   pstate = state.paging
@@ -558,7 +739,7 @@ def _publish(state, seq_id, block_keys, num_tokens):
   status, row, full, first = _settle(state, status, row, full, first)
 
   def body(c):
-    i, state, n_pub, n_drop = c
+    i, state, n_pub, n_drop, fresh = c
     block = row[i]
     key = vkeys[i]
     skip = gather(state.paging.published, block[None], False)[0]
@@ -603,13 +784,31 @@ def _publish(state, seq_id, block_keys, num_tokens):
       dup_prev=dup_prev,
       stats=stats,
     )
-    return i + 1, state, n_pub + one, n_drop + dropped.astype(jnp.int32)
+    return (
+      i + 1,
+      state,
+      n_pub + one,
+      n_drop + dropped.astype(jnp.int32),
+      fresh.at[i].set(got),
+    )
 
-  _, state, n_pub, n_drop = jax.lax.while_loop(
+  _, state, n_pub, n_drop, fresh = jax.lax.while_loop(
     lambda c: c[0] < full,
     body,
-    (first, state, jnp.int32(0), jnp.int32(0)),
+    (first, state, jnp.int32(0), jnp.int32(0), jnp.zeros((m,), jnp.bool_)),
   )
+  if state.policy.leaf_only:
+    state = _link_parents(state, row, fresh)
+  if state.policy.score is not None:
+    state = state.replace(
+      block_depth=scatter(
+        state.block_depth, row, jnp.arange(m, dtype=jnp.int32), fresh
+      )
+    )
+  policy_state = state.policy.on_publish(
+    state.policy_state, row, fresh, state.clock, next_use
+  )
+  state = state.replace(policy_state=policy_state)
   return state, PublishResult(status, n_pub, n_drop)
 
 
@@ -721,6 +920,13 @@ def _keys_arg(state: PrefixCacheState, block_keys) -> jax.Array:
   return keys[:m]
 
 
+def _next_use_arg(state: PrefixCacheState, next_use):
+  """``None`` or ``[L]`` int -> ``None`` or ``[M]`` int32."""
+  if next_use is None:
+    return None
+  return policies_lib.as_next_use(next_use, state.max_blocks_per_seq)
+
+
 def match(state: PrefixCacheState, block_keys, num_prompt_tokens):
   """The longest run of cached full blocks from the start of a prompt.
 
@@ -756,19 +962,31 @@ def match(state: PrefixCacheState, block_keys, num_prompt_tokens):
 
 
 def allocate_with_prefix(
-  state: PrefixCacheState, seq_id, block_keys, num_prompt_tokens
+  state: PrefixCacheState,
+  seq_id,
+  block_keys,
+  num_prompt_tokens,
+  *,
+  next_use=None,
 ):
   """Starts ``seq_id`` on a prompt, reusing its cached prefix.
 
   Matches (as :func:`match`), touches the hit blocks, then pops fresh blocks
   for the remaining ``ceil(P / K) - hits`` blocks, evicting the identity of
   any popped block that carries one. The sequence then holds ``P`` tokens.
+  Advances the request clock (``state.clock``) and runs the policy's
+  ``on_touch`` hook on the hit blocks. With a scoring policy (not ``lru``)
+  free blocks without a hash are used first and the rest are the policy's
+  victims (see :mod:`prefixjax.policies`).
 
   Args:
     state: the cache.
     seq_id: int32 scalar, a free sequence slot.
     block_keys: ``[L, 2]`` uint32 content keys of the prompt's full blocks.
     num_prompt_tokens: int32 scalar ``P >= 0``.
+    next_use: optional ``[L]`` int32 per block, passed to the policy hook
+      (``belady``: the step the block's key is next used; default
+      :data:`prefixjax.policies.NEVER`).
 
   Returns:
     ``(new_state, PrefixAllocateResult)``. ``OUT_OF_BLOCKS`` when the fresh
@@ -791,6 +1009,7 @@ def allocate_with_prefix(
     paging.as_index("seq_id", seq_id),
     _keys_arg(state, block_keys),
     paging.as_index("num_prompt_tokens", num_prompt_tokens),
+    _next_use_arg(state, next_use),
   )
 
 
@@ -841,7 +1060,9 @@ def num_pinned(state: PrefixCacheState) -> jax.Array:
   return jnp.int32(state.num_blocks - 1) - state.paging.num_free
 
 
-def publish(state: PrefixCacheState, seq_id, block_keys, num_tokens):
+def publish(
+  state: PrefixCacheState, seq_id, block_keys, num_tokens, *, next_use=None
+):
   """Gives the sequence's full blocks their keys and indexes them.
 
   Blocks of columns ``0 .. min(num_tokens, held) // K - 1`` that are not
@@ -856,6 +1077,9 @@ def publish(state: PrefixCacheState, seq_id, block_keys, num_tokens):
     seq_id: int32 scalar, a live sequence.
     block_keys: ``[L, 2]`` uint32 content keys of the sequence's blocks.
     num_tokens: int32 scalar, tokens whose full blocks to publish.
+    next_use: optional ``[L]`` int32 per block, passed to the policy's
+      ``on_publish`` hook with the newly published blocks (see
+      :func:`allocate_with_prefix`).
 
   Returns:
     ``(new_state, PublishResult)``.
@@ -866,6 +1090,7 @@ def publish(state: PrefixCacheState, seq_id, block_keys, num_tokens):
     paging.as_index("seq_id", seq_id),
     _keys_arg(state, block_keys),
     paging.as_index("num_tokens", num_tokens),
+    _next_use_arg(state, next_use),
   )
 
 
@@ -912,6 +1137,28 @@ def stats_dict(state: PrefixCacheState) -> dict[str, int]:
   return out
 
 
+def _check_policy_invariants(state, hashed) -> list[str]:
+  """Scoring policies: free blocks without a hash lead the queue; leaf
+  policies: parent links only on cached blocks, child counts exact."""
+  errors = []
+  if state.policy.score is None:
+    return errors
+  order = paging.free_queue_order(state.paging)
+  flags = [bool(hashed[b]) for b in order]
+  if flags != sorted(flags):
+    errors.append("a free block without a hash follows a hashed one")
+  if state.policy.leaf_only:
+    parent = np.asarray(state.block_parent)
+    children = np.asarray(state.num_children)
+    if (parent[~hashed] != NO_BLOCK).any():
+      errors.append("an unhashed block has a parent link")
+    linked = parent[hashed & (parent != NO_BLOCK)]
+    want = np.bincount(linked, minlength=state.num_blocks)
+    if (want != children).any():
+      errors.append(f"num_children {children.tolist()} != {want.tolist()}")
+  return errors
+
+
 def check_invariants(state: PrefixCacheState) -> list[str]:
   """Host-side checks of the whole cache; returns violations (or ``[]``).
 
@@ -919,7 +1166,9 @@ def check_invariants(state: PrefixCacheState) -> list[str]:
   iff it is on a key list; lists are consistent circular lists of blocks
   with equal ``block_hash``; the index holds exactly one entry per distinct
   key, pointing into its list; no live sequence's partially filled last
-  block is published (it would be written); counters match.
+  block is published (it would be written); counters match; for scoring
+  policies, free blocks without a hash lead the free queue, and for leaf
+  policies the parent links and child counts agree.
   """
   _check_state(state)
   errors = list(paging.check_invariants(state.paging))
@@ -971,6 +1220,7 @@ def check_invariants(state: PrefixCacheState) -> list[str]:
       last = tables[s, tokens[s] // k]
       if published[last]:
         errors.append(f"sequence {s} partial last block {last} is published")
+  errors += _check_policy_invariants(state, hashed)
   stats = state.stats
   if int(stats.num_cached) != int(hashed.sum()):
     errors.append(f"num_cached {int(stats.num_cached)} != {hashed.sum()}")
