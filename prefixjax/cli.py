@@ -178,6 +178,13 @@ def _add_replay(subparsers) -> None:
   )
   p.add_argument("--semantics", default="kvcache-sim", choices=SEMANTICS)
   p.add_argument(
+    "--publish",
+    default="early",
+    choices=("early", "late"),
+    help="vllm semantics: hash blocks as they fill (early) or when the "
+    "request finishes (late)",
+  )
+  p.add_argument(
     "--warmup-fraction",
     type=_fraction,
     default=0.5,
@@ -333,6 +340,7 @@ def _replay_vllm(args, trace, load_s) -> int:
     block_size=block_size,
     capacities=capacities,
     warmup_fraction=args.warmup_fraction,
+    publish=args.publish,
     timings=timings,
   )
   rows = [_point_row(p) for p in points]

@@ -18,6 +18,7 @@ jitted ``lax.scan`` over requests per capacity.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 
@@ -30,7 +31,7 @@ from prefixjax import prefix_cache as pc
 from prefixjax.replay import ReplayPoint
 from prefixjax.workloads import Trace
 
-__all__ = ["replay_vllm"]
+__all__ = ["PUBLISH_MODES", "replay_vllm"]
 
 
 def _token_matrix(trace: Trace, block_size: int):
@@ -52,8 +53,11 @@ def _token_matrix(trace: Trace, block_size: int):
   return tokens, totals.astype(np.int32)
 
 
-@jax.jit
-def _run(state: pc.PrefixCacheState, tokens, prompt_lens, totals):
+PUBLISH_MODES = ("early", "late")
+
+
+@functools.partial(jax.jit, static_argnames="publish")
+def _run(state: pc.PrefixCacheState, tokens, prompt_lens, totals, publish):
   block_size = state.paging.block_size
   seq = jnp.int32(0)
 
@@ -61,7 +65,8 @@ def _run(state: pc.PrefixCacheState, tokens, prompt_lens, totals):
     toks, p, total = request
     keys, _ = hashing.block_hashes(toks, total, block_size=block_size)
     state, alloc = pc._allocate_with_prefix(state, seq, keys, p)
-    state, _ = pc._publish(state, seq, keys, p)
+    if publish == "early":  # as the prompt's blocks fill
+      state, _ = pc._publish(state, seq, keys, p)
     state, _ = pc._append(state, seq, total - p)
     state, _ = pc._publish(state, seq, keys, total)
     state, _ = pc._release(state, seq)
@@ -77,6 +82,7 @@ def replay_vllm(
   block_size: int,
   capacities: Sequence[int],
   warmup_fraction: float = 0.5,
+  publish: str = "early",
   timings: dict | None = None,
 ) -> list[ReplayPoint]:
   """Replays a token-id trace with vLLM v1 prefix-caching semantics.
@@ -87,6 +93,10 @@ def replay_vllm(
     capacities: usable blocks in the pool (the null block is extra); each
       must hold the largest request (``ceil((P + O - 1) / K)`` blocks).
     warmup_fraction: share of requests before hits are counted.
+    publish: ``"early"`` gives blocks their hashes as they fill (after
+      prefill, then after decode), ``"late"`` only when the request
+      finishes. With one request at a time both give the same hits; the
+      switch matters once requests overlap.
     timings: if given, ``compile_s`` and ``run_s`` are added to it.
 
   Returns:
@@ -103,6 +113,8 @@ def replay_vllm(
     )
   if not 0.0 <= warmup_fraction <= 1.0:
     raise ValueError(f"warmup_fraction={warmup_fraction} must be in [0, 1]")
+  if publish not in PUBLISH_MODES:
+    raise ValueError(f"publish={publish!r} is not one of {PUBLISH_MODES}")
   tokens, totals = _token_matrix(trace, block_size)
   max_blocks = tokens.shape[1] // block_size
   need = int(-(-int(totals.max()) // block_size))
@@ -122,7 +134,7 @@ def replay_vllm(
       int(capacity) + 1, block_size, max_seqs=1, max_blocks_per_seq=max_blocks
     )
     start = time.perf_counter()
-    compiled = _run.lower(state, *args).compile()
+    compiled = _run.lower(state, *args, publish=publish).compile()
     compile_s = time.perf_counter() - start
     start = time.perf_counter()
     _, (hits, status) = jax.block_until_ready(compiled(state, *args))

@@ -76,3 +76,40 @@ def test_refuses_what_it_cannot_do():
   )
   with pytest.raises(ValueError, match="no token ids"):
     replay_vllm(lengths_only, block_size=16, capacities=[8])
+
+
+def test_publish_switch_is_equivalent_one_request_at_a_time(rng):
+  trace = generate_workload(
+    "multi_turn", num_requests=30, seed=int(rng.integers(0, 2**31))
+  )
+  early, late = (
+    replay_vllm(trace, block_size=16, capacities=[400], publish=mode)[0]
+    for mode in ("early", "late")
+  )
+  assert early.per_request_hit_tokens.tolist() == (
+    late.per_request_hit_tokens.tolist()
+  )
+  with pytest.raises(ValueError, match="publish='eager'"):
+    replay_vllm(trace, block_size=16, capacities=[400], publish="eager")
+
+
+def test_early_publishing_lets_an_overlapping_request_share():
+  """Two overlapping requests with the same 3-block prompt prefix: with
+  early publishing the second hits the first's prefill; with late
+  publishing it cannot until the first finishes."""
+  import jax.numpy as jnp
+
+  from prefixjax import hashing
+  from prefixjax import prefix_cache as pc
+
+  tokens = jnp.arange(1, 33, dtype=jnp.int32)
+  keys, _ = hashing.block_hashes(tokens, 14, block_size=4)
+  hits = {}
+  for mode in ("early", "late"):
+    s = pc.init(32, 4, max_seqs=2, max_blocks_per_seq=8)
+    s, _ = pc.allocate_with_prefix(s, 0, keys, 14)
+    if mode == "early":
+      s, _ = pc.publish(s, 0, keys, 14)
+    s, second = pc.allocate_with_prefix(s, 1, keys, 14)
+    hits[mode] = int(second.hit_tokens)
+  assert hits == {"early": 12, "late": 0}
