@@ -34,22 +34,30 @@ modelled in plain Python in ``tests/reference_models/kvcache_sim.py``) are:
 Data structures (``V`` = trie nodes + 1, ``E`` = block events, ``C`` =
 capacity):
 
-* Both leaf policies keep the evictable leaves in buckets by key (linked
-  lists through the nodes) plus a segment tree of bucket counts over the key
-  domain, so the victim is found by one O(log) descent and every update is
-  O(log) lanes, whatever the cache size. ``lru_leaf`` keys are a clock
-  ticked on every touch (unique; the leftmost key is the least recent
-  leaf); ``belady_leaf`` keys are next-use request indices (the rightmost
-  key is the furthest). Ties between leaves with the same next use cannot
-  change a hit (only never-used-again leaves tie), so any is taken. A
-  linked list in recency order is not enough for ``lru_leaf``: a parent
-  touched by another request's path is more recent than its children, so
-  when it becomes a leaf it belongs somewhere in the middle.
+* Both leaf policies keep, per node, its cached-children count (-1 when
+  not cached) and its key, and the set of evictable leaves as a
+  hierarchical bitmap over keys (32-bit words, one word per level, 3-4
+  levels), so the victim is found with one word gather per level and every
+  update is one gather and one scatter of a few words, whatever the cache
+  size. Keys are event indices, so a key names its node through the event
+  arrays (no key-to-node table to maintain): ``lru_leaf`` keys a node by the
+  event that last touched it (a clock; the smallest key is the least recent
+  leaf); ``belady_leaf`` by the event of its next use after that touch (the
+  largest key is the furthest next use; two leaves never share it, since
+  both would lie on one request's path). ``belady_leaf`` leaves never used
+  again sit on a stack instead (any of them is a valid victim: they tie,
+  and a tie cannot change a hit). A linked list in recency order is not
+  enough for ``lru_leaf``: a parent touched by another request's path is
+  more recent than its children, so when it becomes a leaf it belongs
+  somewhere in the middle.
 * ``fifo`` keeps a ring buffer of ``C`` node ids.
 
 All updates are masked gathers and scatters, with reads materialised by
 :func:`prefixjax.paging.barrier` before in-place writes, so the per-event
-cost does not grow with the number of nodes.
+cost does not grow with the number of nodes. A leaf-policy event has one
+read phase and one barrier, then one scatter per array (see
+:func:`_leaf_step`): on XLA:CPU each op of the step is a separate kernel
+call, so the number of ops per event is its cost.
 """
 
 from __future__ import annotations
@@ -271,7 +279,10 @@ def prepare_replay(
 # ``prefixjax.paging.barrier``). ``_Tape`` enforces the discipline that
 # prevents both: every read is materialised through a barrier as soon as it
 # is made, and every write's mask passes through a barrier together with all
-# reads of that array since its last write.
+# reads of that array since its last write. (``fifo`` uses it; the leaf
+# policies follow the same rules with a single barrier: ``_leaf_step`` reads
+# everything it needs from the state before the event, passes all of it
+# through one barrier, and derives every write from the barrier's outputs.)
 
 
 class _Tape:
@@ -322,77 +333,111 @@ def _set(x, i, value, do):
   return scatter(x, i[None], value, do)
 
 
-def _seg_update(t: _Tape, key, delta, do):
-  levels = t.static["levels"]
-  idx = (t.static["leaf0"] + key) >> jnp.arange(levels + 1, dtype=jnp.int32)
-  t.add("seg", idx, delta, do)
+def _bm_layout(num_keys):
+  """Word offsets of the levels of a hierarchical bitmap over ``num_keys``.
+
+  Level 0 has one bit per key; a bit of level ``l + 1`` says whether the
+  word of level ``l`` under it is nonzero; the top level is one word.
+  """
+  sizes = []
+  n = num_keys
+  while True:
+    n = -(-n // 32)
+    sizes.append(n)
+    if n == 1:
+      break
+  offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+  return tuple(offsets[:-1]), int(offsets[-1])
 
 
-def _seg_find(t: _Tape, rightmost: bool):
-  """The largest (``rightmost``) or smallest key with a nonzero count, or -1."""
+def _bm_find(bm, static, rightmost: bool):
+  """The largest (``rightmost``) or smallest key in the bitmap, or -1.
 
-  def descend():
-    seg = t.s["seg"]
-    i = jnp.int32(1)
-    for _ in range(t.static["levels"]):
-      if rightmost:
-        go_right = _one(seg, 2 * i + 1, 0) > 0
-      else:
-        go_right = _one(seg, 2 * i, 0) == 0
-      i = jnp.where(go_right, 2 * i + 1, 2 * i)
-    found = _one(seg, jnp.int32(1), 0) > 0
-    return jnp.where(found, i - t.static["leaf0"], _NONE)
-
-  return t.compute(["seg"], descend)
-
-
-def _leaf_add(t: _Tape, x, key, do):
-  """Makes ``x`` an evictable leaf with ``key``: first in its key's bucket."""
-  t.set("key", x, key, do)
-  head = t.read("bucket", key)
-  t.set("nxt", x, head, do)
-  t.set("prv", x, _NONE, do)
-  t.set("prv", head, x, do)
-  t.set("bucket", key, x, do)
-  _seg_update(t, key, 1, do)
+  One word gather per level (3-4 levels), not one per bit of the key.
+  """
+  offsets = static["bm_offsets"]
+  i = jnp.int32(0)
+  for off in reversed(offsets):
+    w = _one(bm, off + i, 0)
+    if rightmost:
+      b = 31 - jax.lax.clz(w).astype(jnp.int32)
+    else:
+      b = jax.lax.population_count((w & (~w + 1)) - 1).astype(jnp.int32)
+    i = i * 32 + b
+  found = _one(bm, jnp.int32(offsets[-1]), 0) != 0
+  return jnp.where(found, i, _NONE)
 
 
-def _leaf_remove(t: _Tape, x, do):
-  """Takes leaf ``x`` out of its key's bucket."""
-  key = t.read("key", x, 0)
-  p = t.read("prv", x)
-  q = t.read("nxt", x)
-  t.set("nxt", p, q, do & (p != _NONE))
-  t.set("bucket", key, q, do & (p == _NONE))
-  t.set("prv", q, p, do)
-  t.set("nxt", x, _NONE, do)
-  t.set("prv", x, _NONE, do)
-  _seg_update(t, key, -1, do)
+def _bm_index(static, keys):
+  """``[U, L]`` word indices of ``keys`` (``[U]``) at every level."""
+  levels = len(static["bm_offsets"])
+  shifts = 5 * jnp.arange(1, levels + 1, dtype=jnp.int32)
+  offsets = jnp.asarray(static["bm_offsets"], jnp.int32)
+  word = keys[:, None] >> shifts[None, :]
+  return jnp.where(keys[:, None] >= 0, offsets[None, :] + word, -1)
+
+
+def _bm_words(bm, static, keys):
+  """The words on the paths of ``keys`` (``[U]``): ``[U, L]``, one gather."""
+  idx = _bm_index(static, keys)
+  return gather(bm, idx.reshape(-1), 0).reshape(idx.shape)
+
+
+def _bm_update(bm, static, keys, words, sets, dos):
+  """Sets (``sets``) or clears the bits of ``keys`` where ``dos``.
+
+  ``words`` are the old words on the keys' paths (from :func:`_bm_words`,
+  read before any write). A key both cleared and set stays set (one leaf
+  leaves the key, another takes it). Lanes sharing a word get the same
+  merged value, so one scatter writes every level.
+  """
+  levels = len(static["bm_offsets"])
+  u32 = jnp.uint32
+  idx = _bm_index(static, keys)
+  same = lambda lv: (idx[:, lv][:, None] == idx[:, lv][None, :]) & dos[None, :]
+  new = []
+  value = sets  # the bit each active lane writes at level 0
+  for lv in range(levels):
+    pos = ((keys >> (5 * lv)) & 31).astype(u32)
+    bit = jnp.left_shift(u32(1), pos)
+    on = jnp.where(same(lv) & value[None, :], bit[None, :], u32(0))
+    off = jnp.where(same(lv) & ~value[None, :], bit[None, :], u32(0))
+    or_all = lambda m: jax.lax.reduce(m, u32(0), jax.lax.bitwise_or, (1,))
+    w = (words[:, lv] & ~or_all(off)) | or_all(on)
+    new.append(w)
+    value = w != 0
+  new = jnp.stack(new, axis=1)
+  mask = jnp.broadcast_to(dos[:, None], idx.shape)
+  return scatter(bm, idx.reshape(-1), new.reshape(-1), mask.reshape(-1))
 
 
 def _init_carry(policy, num_nodes, num_keys, capacity, max_capacity):
   i32 = jnp.int32
   s = {
-    "present": jnp.zeros((num_nodes,), jnp.bool_).at[0].set(True),
     "size": i32(0),
     "capacity": capacity.astype(i32),
     "in_run": jnp.bool_(False),
     "stop": jnp.bool_(False),
-    "prot": i32(0),
     "filled": jnp.bool_(False),
   }
   if policy == "fifo":
+    s["present"] = jnp.zeros((num_nodes,), jnp.bool_).at[0].set(True)
     s["ring"] = jnp.full((max_capacity,), _NONE, i32)
     s["ring_head"] = i32(0)
     return s
-  s["children"] = jnp.zeros((num_nodes,), i32)
-  s["nxt"] = jnp.full((num_nodes,), _NONE, i32)
-  s["prv"] = jnp.full((num_nodes,), _NONE, i32)
-  s["key"] = jnp.zeros((num_nodes,), i32)
-  s["bucket"] = jnp.full((num_keys,), _NONE, i32)
-  levels = max(1, math.ceil(math.log2(num_keys)))
-  s["seg"] = jnp.zeros((2 << levels,), i32)
-  s["clock"] = i32(0)  # lru_leaf: ticks on every touch
+  # Per node, interleaved: [2n] cached children if cached, else -1;
+  # [2n + 1] its key (see _leaf_step). The root is always cached.
+  info = jnp.zeros((num_nodes, 2), i32).at[1:, 0].set(-1)
+  s["info"] = info.reshape(-1)
+  s["bm"] = jnp.zeros((_bm_layout(num_keys)[1],), jnp.uint32)
+  if policy == "lru_leaf":
+    s["held"] = i32(_NONE)  # the leaf kept out of the bitmap (see _leaf_step)
+    s["held_key"] = i32(0)
+    s["held_parent"] = i32(0)
+    s["held_prot"] = jnp.bool_(False)
+  else:
+    s["stack"] = jnp.full((num_nodes,), _NONE, i32)  # never-used leaves
+    s["top"] = i32(0)
   return s
 
 
@@ -414,83 +459,200 @@ def _fifo_step(t: _Tape, node, pres, warm):
   t.s["filled"] = t.s["filled"] | (want & warm & (t.s["size"] >= cap))
 
 
-def _leaf_step(t: _Tape, policy, node, parent_of, hit, pres, use, warm):
+def _leaf_step(s, policy, static, consts, ev):
+  """One block event of ``lru_leaf`` / ``belady_leaf``.
+
+  Keys are event indices, so a key names its node (and its parent) through
+  the constant event table: ``lru_leaf`` keys a node by the event that last
+  touched it (a clock); ``belady_leaf`` by the event of its next use after
+  that touch (ordered like the next-use request; two leaves never share one), or
+  ``never`` (not used again). Evictable leaves are a hierarchical bitmap of
+  keys (the victim is one word gather per level), except ``belady_leaf``'s
+  never-used leaves, which sit on a stack (any of them is a valid victim;
+  such a leaf leaves the leaf set only by eviction or, at the top of the
+  stack, by the insertion of a child right after it was touched).
+
+  ``lru_leaf`` keeps the request's protected leaf (its deepest hit, when that
+  is a leaf) out of the bitmap, as the ``held`` leaf: a victim candidate
+  unless protected, moved into the bitmap when another hit leaf replaces
+  it. So the victim is one search and one compare.
+
+  Every event is a hit (touch), or a miss that may evict one leaf and
+  insert the block, never both; all reads are of the state before the
+  event, through one barrier, and each array gets one masked scatter (node
+  state as additions, so colliding lanes need no care).
+  """
+  (node, weight, use, use_ev, first, warm, par, index) = ev
+  parent_of, event_table = consts
   lru = policy == "lru_leaf"
-  # Touch a hit block (root first): new key; a leaf moves to its new bucket.
-  is_leaf = t.read("children", node, 0) == 0
-  t.s["clock"] = jnp.where(hit, t.s["clock"] + 1, t.s["clock"])
-  new_key = t.s["clock"] if lru else use
-  _leaf_remove(t, node, hit & is_leaf)
-  t.set("key", node, new_key, hit)
-  _leaf_add(t, node, new_key, hit & is_leaf)
-  t.s["prot"] = jnp.where(hit, node, t.s["prot"])
+  i32 = jnp.int32
+  never = static["never"]
+  never_req = static["never_req"]
+  stop = s["stop"] & ~first
+  in_run = s["in_run"] | first
+  new_key = index if lru else use_ev
+  held_key = s["held_key"] if lru else None
 
-  # Insert a missing block, evicting one leaf first when full.
-  want = ~pres & ~t.s["stop"]
-  need = want & (t.s["size"] >= t.s["capacity"])
-  best = _seg_find(t, rightmost=not lru)
-  victim = t.read("bucket", best)
+  def info_of(nodes):
+    nodes = jnp.stack(nodes)
+    idx = jnp.stack([2 * nodes, 2 * nodes + 1], axis=1).reshape(-1)
+    return gather(s["info"], idx, 0)  # a node -1 reads 0s
+
+  def lane_keys(r):
+    if lru:
+      ks = [r["key_n"], held_key, r["k1"], r["key_vp1"], r["key_vp2"]]
+    else:
+      ks = [r["key_n"], r["k1"], r["key_vp1"], r["key_vp2"]]
+    return jnp.stack(ks + [r["key_p"], new_key])
+
+  def reads():
+    st_n, key_n, st_p, key_p = info_of([node, par])
+    r = {"st_n": st_n, "key_n": key_n, "st_p": st_p, "key_p": key_p}
+    k1 = _bm_find(s["bm"], static, rightmost=not lru)
+    r["k1"] = k1
+    # Each read costs an op per event (the barrier keeps unused ones).
+    cols = 2 if lru else 3
+    row = gather(event_table, 3 * k1 + jnp.arange(cols), 0)
+    r["v1"] = jnp.where(k1 >= 0, row[0], _NONE)
+    r["vp1"] = row[1]
+    if lru:
+      r["v2"], r["vp2"] = s["held"], s["held_parent"]
+    else:
+      r["k1_req"] = row[2]
+      r["v2"] = _one(s["stack"], s["top"] - 1)
+      r["vp2"] = _one(parent_of, r["v2"], 0)
+    (r["st_vp1"], r["key_vp1"], r["st_vp2"], r["key_vp2"]) = info_of(
+      [r["vp1"], r["vp2"]]
+    )
+    r["words"] = _bm_words(s["bm"], static, lane_keys(r))
+    return r
+
+  (r,) = barrier(node, reads())
+  keys = lane_keys(r)
+  pres = r["st_n"] >= 0
+  hit = in_run & pres
+  want = ~pres & ~stop
+  need = want & (s["size"] >= s["capacity"])
+  k1 = r["k1"]
+  tree_ok = k1 != _NONE
+  leaf_n = hit & (r["st_n"] == 0)
+
   if lru:
-    # The request's hit blocks are protected; only the deepest can be a
-    # leaf. If it is the least recent leaf, take the next one instead.
-    prot = t.s["prot"]
-    skip = need & (victim == prot) & (victim != _NONE)
-    prot_key = t.read("key", prot, 0)
-    _leaf_remove(t, prot, skip)
-    second = t.read("bucket", _seg_find(t, rightmost=False))
-    _leaf_add(t, prot, prot_key, skip)
-    victim = jnp.where(skip, second, victim)
-    ok = victim != _NONE
+    held = s["held"]
+    held_prot = s["held_prot"] & ~first
+    held_ok = (held != _NONE) & ~held_prot
+    use_2 = held_ok & (~tree_ok | (held_key < k1))
+    ok = tree_ok | held_ok
   else:
-    ok = (best != _NONE) & (best > use)  # else Belady bypass
-  evict = need & ok
-  _leaf_remove(t, victim, evict)
-  vparent = t.compute([], lambda: _one(parent_of, victim, 0))
-  t.set("present", victim, False, evict)
-  t.s["size"] = jnp.where(evict, t.s["size"] - 1, t.s["size"])
-  t.add("children", vparent, -1, evict)
-  orphan = evict & (vparent != 0) & (t.read("children", vparent, 0) == 0)
-  _leaf_add(t, vparent, t.read("key", vparent, 0), orphan)
-
-  parent = t.compute([], lambda: _one(parent_of, node, 0))
-  parent_present = t.read("present", parent, False)
-  parent_children = t.read("children", parent, 0)
-  stop = t.s["stop"] | (need & ~ok) | (want & ~parent_present)
-  insert = want & ~stop
-  parent_was_leaf = insert & (parent != 0) & (parent_children == 0)
-  _leaf_remove(t, parent, parent_was_leaf)
-  t.add("children", parent, 1, insert)
-  t.set("present", node, True, insert)
-  s = t.s
-  s["size"] = jnp.where(insert, s["size"] + 1, s["size"])
-  s["clock"] = jnp.where(insert, s["clock"] + 1, s["clock"])
-  _leaf_add(t, node, t.s["clock"] if lru else use, insert)
-  t.s["stop"] = stop
-  t.s["filled"] = t.s["filled"] | (
-    insert & warm & (t.s["size"] >= t.s["capacity"])
+    use_2 = s["top"] > 0
+    best = jnp.where(use_2, never_req, jnp.where(tree_ok, r["k1_req"], -1))
+    ok = (use_2 | tree_ok) & (best > use)  # else Belady bypass
+  pick = lambda a: jnp.where(use_2, r[a + "2"], r[a + "1"])
+  victim, vp, ch_vp, key_vp = (
+    pick("v"),
+    pick("vp"),
+    pick("st_vp"),
+    pick("key_vp"),
   )
+  evict = need & ok
+  evict_tree = evict & ~use_2
+  parent_present = (r["st_p"] >= 0) & ~(evict & (victim == par))
+  stop = stop | (need & ~ok) | (want & ~parent_present)
+  insert = want & ~stop
+  ch_p = r["st_p"]
+  ch_p_after = ch_p - (evict & (vp == par)).astype(i32)
+  # The parent stops being a leaf: it was one before this event (in the
+  # bitmap, the held leaf, or the top of the never stack).
+  p_leaf = insert & (par != 0) & (ch_p_after == 0) & (ch_p == 0)
+  orphan = evict & (vp != 0) & (ch_vp == 1) & ~(insert & (vp == par))
+  touched = hit | insert
+  from_1 = orphan & ~use_2
+  from_2 = orphan & use_2
+
+  if lru:
+    n_held = node == held
+    hit_clear = leaf_n & ~n_held
+    # Lanes as in lane_keys: (set the bit, do).
+    p_held = p_leaf & (par == held)
+    lanes = [
+      (False, hit_clear),
+      (True, hit_clear & (held != _NONE)),
+      (False, evict_tree),
+      (True, from_1),
+      (True, from_2),
+      (False, p_leaf & ~p_held),
+      (True, insert),
+    ]
+    s["held"] = jnp.where(
+      leaf_n, node, jnp.where((evict & use_2) | p_held, _NONE, held)
+    )
+    s["held_key"] = jnp.where(leaf_n, new_key, held_key)
+    s["held_parent"] = jnp.where(leaf_n, par, s["held_parent"])
+    s["held_prot"] = held_prot | leaf_n
+  else:
+    add_n = leaf_n | insert
+    lanes = [
+      (False, leaf_n),
+      (False, evict_tree),
+      (True, from_1 & (r["key_vp1"] != never)),
+      (True, from_2 & (r["key_vp2"] != never)),
+      (False, p_leaf & (r["key_p"] != never)),
+      (True, add_n & (use_ev != never)),
+    ]
+    pop = (evict & use_2) | (p_leaf & (r["key_p"] == never))
+    push_vp = orphan & (key_vp == never)
+    push_n = add_n & (use_ev == never)
+    base = s["top"] - pop.astype(i32)
+    s["stack"] = scatter(
+      s["stack"],
+      jnp.stack([base, base + push_vp.astype(i32)]),
+      jnp.stack([vp, node]),
+      jnp.stack([push_vp, push_n]),
+    )
+    s["top"] = base + push_vp.astype(i32) + push_n.astype(i32)
+
+  sets = jnp.asarray([b for b, _ in lanes])
+  dos = jnp.stack([d for _, d in lanes])
+  s["bm"] = _bm_update(s["bm"], static, keys, r["words"], sets, dos)
+  # Node state: inserted -1 -> 0 children, evicted leaf 0 -> -1, the
+  # parents' child counts, and the touched node's key.
+  s["info"] = scatter_add(
+    s["info"],
+    jnp.stack([2 * node, 2 * victim, 2 * par, 2 * vp, 2 * node + 1]),
+    jnp.stack([i32(1), i32(-1), i32(1), i32(-1), new_key - r["key_n"]]),
+    jnp.stack([insert, evict, insert, evict, touched]),
+  )
+  size = s["size"] + insert.astype(i32) - evict.astype(i32)
+  s["size"] = size
+  s["stop"] = stop
+  s["in_run"] = hit
+  s["filled"] = s["filled"] | (insert & warm & (size >= s["capacity"]))
+  return s, jnp.where(hit, weight, 0)
 
 
-def _replay_one(policy, events, parent_of, num_keys, max_capacity, capacity):
-  num_nodes = parent_of.shape[0]
+def _replay_one(
+  policy, events, consts, num_keys, never_req, max_capacity, capacity
+):
+  num_nodes = consts[0].shape[0]
   carry = _init_carry(policy, num_nodes, num_keys, capacity, max_capacity)
-  levels = max(1, math.ceil(math.log2(num_keys)))
-  static = {"levels": levels, "leaf0": 1 << levels}
+  static = {
+    "bm_offsets": _bm_layout(num_keys)[0],
+    "never": num_keys - 1,
+    "never_req": never_req,
+  }
 
   def step(carry, ev):
-    node, weight, use, first, warm = ev
+    if policy != "fifo":
+      return _leaf_step(dict(carry), policy, static, consts, ev)
+    node, weight, _, _, first, warm, _, _ = ev
     t = _Tape(carry, node, static)
     s = t.s
     s["in_run"] = s["in_run"] | first
     s["stop"] = s["stop"] & ~first
-    s["prot"] = jnp.where(first, 0, s["prot"])
     pres = t.read("present", node, False)
     hit = s["in_run"] & pres
     s["in_run"] = hit
-    if policy == "fifo":
-      _fifo_step(t, node, pres, warm)
-    else:
-      _leaf_step(t, policy, node, parent_of, hit, pres, use, warm)
+    _fifo_step(t, node, pres, warm)
     return t.s, jnp.where(hit, weight, 0)
 
   carry, hits = jax.lax.scan(step, carry, events)
@@ -498,35 +660,45 @@ def _replay_one(policy, events, parent_of, num_keys, max_capacity, capacity):
 
 
 def _device_events(plan: ReplayPlan):
+  """Per-event arrays for the scan, and constant arrays beside it."""
+  num_events = plan.num_events
   warm = plan.request < plan.warmup_requests
-  return (
+  # The next event touching the same node (num_events if none).
+  use_ev = np.full(num_events, num_events, np.int32)
+  order = np.lexsort((np.arange(num_events), plan.node))
+  same = plan.node[order][1:] == plan.node[order][:-1]
+  use_ev[order[:-1]] = np.where(same, order[1:], num_events)
+  events = (
     jnp.asarray(plan.node),
     jnp.asarray(plan.weight),
     jnp.asarray(plan.next_use),
+    jnp.asarray(use_ev),
     jnp.asarray(plan.first),
     jnp.asarray(warm),
+    jnp.asarray(plan.parent[plan.node]),
+    jnp.arange(num_events, dtype=jnp.int32),
   )
+  # Per event: its node, the node's parent and its request (one gather
+  # names a key's node and parent, and its request for the Belady bypass).
+  table = np.stack([plan.node, plan.parent[plan.node], plan.request], axis=1)
+  consts = (jnp.asarray(plan.parent), jnp.asarray(table.reshape(-1)))
+  return events, consts
 
 
 def _compiled(plan: ReplayPlan, policy: str, num_configs: int):
   max_capacity = plan.unique_blocks + 1
-  # belady_leaf keys are next uses (<= num_kept + 1); lru_leaf keys are clock
-  # values (one tick per hit or insertion, so <= num_events).
-  num_keys = (
-    plan.num_kept + 2 if policy == "belady_leaf" else plan.num_events + 2
-  )
+  # Leaf keys are event indices; the last key, num_events, is "never".
+  num_keys = plan.num_events + 1
+  never_req = plan.num_kept + 1
 
-  def run(events, parent_of, capacities):
+  def run(events, consts, capacities):
     one = lambda c: _replay_one(
-      policy, events, parent_of, num_keys, max_capacity, c
+      policy, events, consts, num_keys, never_req, max_capacity, c
     )
     return jax.vmap(one)(capacities)
 
-  args = (
-    _device_events(plan),
-    jnp.asarray(plan.parent),
-    jnp.zeros((num_configs,), jnp.int32),
-  )
+  events, consts = _device_events(plan)
+  args = (events, consts, jnp.zeros((num_configs,), jnp.int32))
   return jax.jit(run).lower(*args).compile(), args
 
 
@@ -566,11 +738,11 @@ def replay(
   # A capacity above the number of nodes behaves like the node count.
   clipped = np.minimum(np.asarray(capacities), plan.unique_blocks + 1)
   start = time.perf_counter()
-  compiled, (events, parent_of, _) = _compiled(plan, policy, len(capacities))
+  compiled, (events, consts, _) = _compiled(plan, policy, len(capacities))
   compile_s = time.perf_counter() - start
   start = time.perf_counter()
   hits, filled = jax.block_until_ready(
-    compiled(events, parent_of, jnp.asarray(clipped, jnp.int32))
+    compiled(events, consts, jnp.asarray(clipped, jnp.int32))
   )
   run_s = time.perf_counter() - start
   if timings is not None:
