@@ -277,35 +277,12 @@ def _cmd_replay(args) -> int:
       plan, policy=policy, capacities=capacities, timings=timings
     )
   ceiling = rp.replay_ceiling(plan)
-  rows = [_point_row(p) for p in points]
-  print(_replay_table(rows + [_point_row(ceiling)]))
-  print(
-    f"load {load_s:.2f} s, compile {timings['compile_s']:.2f} s, run "
-    f"{timings['run_s']:.2f} s ({len(points)} points)"
-  )
   if any(p.underfilled for p in points):
     print(
       "underfilled: the cache never filled during warm-up, so (as in "
       "kvcache-simulator) its hit tokens are reported as 0"
     )
-  if args.json:
-    payload = {
-      "points": rows,
-      "ceiling": _point_row(ceiling),
-      "timing": {
-        "load_s": load_s,
-        "compile_s": timings["compile_s"],
-        "run_s": timings["run_s"],
-      },
-      "trace": trace.name,
-      "semantics": args.semantics,
-      "warmup_fraction": args.warmup_fraction,
-    }
-    with open(args.json, "w") as f:
-      json.dump(payload, f, indent=2)
-    print(f"wrote {args.json}")
-  _maybe_plot(args, rows, ceiling.hit_rate, trace.name)
-  return 0
+  return _report(args, trace, points, ceiling, load_s, timings)
 
 
 def _replay_vllm(args, trace, load_s) -> int:
@@ -343,39 +320,47 @@ def _replay_vllm(args, trace, load_s) -> int:
     publish=args.publish,
     timings=timings,
   )
+  return _report(args, trace, points, None, load_s, timings)
+
+
+def _report(args, trace, points, ceiling, load_s, timings) -> int:
+  """Prints the table and timings; writes ``--json`` and ``--plot``."""
   rows = [_point_row(p) for p in points]
-  print(_replay_table(rows))
+  extra = [] if ceiling is None else [_point_row(ceiling)]
+  print(_replay_table(rows + extra))
+  timing = {
+    "load_s": load_s,
+    "compile_s": timings["compile_s"],
+    "run_s": timings["run_s"],
+  }
   print(
-    f"load {load_s:.2f} s, compile {timings['compile_s']:.2f} s, run "
-    f"{timings['run_s']:.2f} s ({len(points)} points)"
+    f"load {load_s:.2f} s, compile {timing['compile_s']:.2f} s, run "
+    f"{timing['run_s']:.2f} s ({len(points)} points)"
   )
   if args.json:
     payload = {
       "points": rows,
-      "timing": {"load_s": load_s, **timings},
+      "timing": timing,
       "trace": trace.name,
       "semantics": args.semantics,
       "warmup_fraction": args.warmup_fraction,
     }
+    if ceiling is not None:
+      payload["ceiling"] = extra[0]
     with open(args.json, "w") as f:
       json.dump(payload, f, indent=2)
     print(f"wrote {args.json}")
-  _maybe_plot(args, rows, None, trace.name)
+  if args.plot:
+    from prefixjax.plots import plot_hit_rates
+
+    plot_hit_rates(
+      rows,
+      args.plot,
+      title=f"{trace.name}, {args.semantics} semantics",
+      ceiling=None if ceiling is None else ceiling.hit_rate,
+    )
+    print(f"wrote {args.plot}")
   return 0
-
-
-def _maybe_plot(args, rows, ceiling, name) -> None:
-  if not args.plot:
-    return
-  from prefixjax.plots import plot_hit_rates
-
-  plot_hit_rates(
-    rows,
-    args.plot,
-    title=f"{name}, {args.semantics} semantics",
-    ceiling=ceiling,
-  )
-  print(f"wrote {args.plot}")
 
 
 def _point_row(point) -> dict:

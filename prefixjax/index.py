@@ -191,13 +191,6 @@ def init(
   )
 
 
-def settle_on(anchor: jax.Array, *values):
-  """:func:`prefixjax.paging.barrier`: materialises ``values`` before a
-  pool-sized array is written in place (``anchor``: an int32 scalar of the
-  state that is never -7 at run time, here ``count``)."""
-  return paging.barrier(anchor, *values)
-
-
 def _home(index: IndexState, key: jax.Array) -> jax.Array:
   mask = np.uint32(index.capacity - 1)
   return jax.lax.bitcast_convert_type(key[..., 0] & mask, jnp.int32)
@@ -274,7 +267,8 @@ def _insert(index: IndexState, key, value, ok):
   found, free = _probe(index, key)
   old = index.values.at[jnp.maximum(found, 0)].get(mode="clip")
   was_tomb = index.values.at[jnp.maximum(free, 0)].get(mode="clip") == TOMBSTONE
-  found, free, old, was_tomb = settle_on(
+  # paging.barrier's anchor: count is >= 0, never -7, at run time.
+  found, free, old, was_tomb = paging.barrier(
     index.count, found, free, old, was_tomb
   )
   status = jnp.where(
@@ -300,7 +294,7 @@ def _insert(index: IndexState, key, value, ok):
 def _update(index: IndexState, key, value, ok):
   found, _ = _probe(index, key)
   old = index.values.at[jnp.maximum(found, 0)].get(mode="clip")
-  found, old = settle_on(index.count, found, old)
+  found, old = paging.barrier(index.count, found, old)
   status = jnp.where(
     ~ok,
     IndexStatus.SKIPPED,
@@ -318,7 +312,7 @@ def _delete(index: IndexState, key, ok):
   next_empty = (
     index.values.at[(found + 1) & (cap - 1)].get(mode="clip") == EMPTY
   )
-  found, old, next_empty = settle_on(index.count, found, old, next_empty)
+  found, old, next_empty = paging.barrier(index.count, found, old, next_empty)
   status = jnp.where(
     ~ok,
     IndexStatus.SKIPPED,
@@ -341,7 +335,7 @@ def _delete(index: IndexState, key, ok):
 
   # Count the tombstones to clear (read only), then write once.
   _, num_cleared = jax.lax.while_loop(cond, body, (jnp.int32(0), jnp.int32(0)))
-  num_cleared = settle_on(index.count, num_cleared)[0]
+  num_cleared = paging.barrier(index.count, num_cleared)[0]
   # One scatter that depends on the loop above, so XLA cannot schedule a
   # write before the loop's reads (which would copy ``values``).
   lanes = jnp.arange(index.max_probes)
