@@ -21,6 +21,7 @@ which adds noise; run under ``taskset -c 0`` too.
 Usage::
 
   python benchmarks/prefix_ops.py [--steps 2000] [--repeats 5] [--json OUT]
+      [--policy lru|fifo|belady|...]
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from prefixjax import hashing
+from prefixjax import hashing, policies
 from prefixjax import prefix_cache as pc
 
 BLOCK_SIZE = 16
@@ -80,7 +81,17 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   _timing.add_scan_args(parser)
   parser.add_argument("--check", action="store_true", help="check invariants")
-  parser.add_argument("--free-order", default="append", choices=pc.FREE_ORDERS)
+  parser.add_argument(
+    "--free-order",
+    choices=pc.FREE_ORDERS,
+    help="default: 'append' for lru, 'prepend_unhashed' for other policies",
+  )
+  parser.add_argument(
+    "--policy",
+    default="lru",
+    choices=policies.policy_names(),
+    help="eviction policy (fifo and belady use the victim tree)",
+  )
   parser.add_argument("--json", help="write the table as JSON here")
   args = parser.parse_args(argv)
 
@@ -95,6 +106,7 @@ def main(argv=None):
         MAX_SEQS,
         MAX_BLOCKS_PER_SEQ,
         free_order=args.free_order,
+        policy=args.policy,
       )
       if scenario == "full pool":
         # Cache every block: requests of 8 unique blocks until the pool has
@@ -134,7 +146,7 @@ def main(argv=None):
   print(
     f"{_timing.machine()}, cpus {affinity}, "
     f"{args.steps} requests x {args.repeats} repeats, median, "
-    f"free_order={args.free_order}"
+    f"policy={args.policy}, free_order={state.free_order}"
   )
   _timing.print_flatness_table(
     rows,

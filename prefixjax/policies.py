@@ -37,8 +37,15 @@ The protocol:
   free), the rule falls back to all free cached blocks.
 
 Eligible blocks are ``refcount == 0``, published, not the null block (and a
-leaf, for ``leaf_only``). Selection is one masked reduction over ``[N]`` per
-victim, run only after the free blocks without a hash are used up.
+leaf, for ``leaf_only``). Selection runs only after the free blocks without
+a hash are used up. For a ``static_score`` policy that is not ``leaf_only``
+(``fifo``, ``belady``) the cache keeps the eligible blocks in a 32-way
+tournament tree (:mod:`prefixjax.victim_tree`): the victim is its root, and
+each block that becomes or stops being eligible (hit, release, eviction)
+costs ``ceil(log32 N)`` small reductions, so these policies cost O(blocks
+touched * log32 N) per verb and never scan the pool. Otherwise (``lfu``,
+the leaf policies, user-defined policies by default) selection is one
+masked reduction over ``[N]`` per victim.
 
 Built-in policies (see each factory): ``lru``, ``fifo``, ``lfu``,
 ``lru_leaf``, ``belady``, ``belady_leaf``. A user-defined policy is any
@@ -112,6 +119,13 @@ class EvictionPolicy(NamedTuple):
     on_touch: hook for blocks hit by a request.
     on_publish: hook for blocks that just entered the cache.
     leaf_only: only blocks without a cached child are eligible.
+    static_score: a promise that a block's score changes only through the
+      hooks on that block (never with ``now``, never while the block is
+      free) and that ``score`` is elementwise: block ``b``'s score reads
+      only entry ``b`` of the ``[N]`` arrays in ``policy_state`` (other
+      leaves are scalars). The cache then keeps its free cached blocks in
+      a tournament tree (:mod:`prefixjax.victim_tree`) instead of scanning
+      ``[N]`` per victim. Ignored for ``leaf_only`` policies.
   """
 
   init: Callable[[int], PolicyState]
@@ -119,6 +133,7 @@ class EvictionPolicy(NamedTuple):
   on_touch: Hook = _keep
   on_publish: Hook = _keep
   leaf_only: bool = False
+  static_score: bool = False
 
 
 def _set(x, blocks, lanes, values):
@@ -165,6 +180,7 @@ def fifo() -> EvictionPolicy:
     init=_zeros,
     score=lambda inserted, now: inserted,
     on_publish=_stamp,
+    static_score=True,
   )
 
 
@@ -236,7 +252,12 @@ def _lfu(factor: float) -> EvictionPolicy:
     return state.count * jnp.power(state.decay, dt)
 
   return EvictionPolicy(
-    init=init, score=score, on_touch=on_touch, on_publish=on_publish
+    init=init,
+    score=score,
+    on_touch=on_touch,
+    on_publish=on_publish,
+    # Not static_score even without decay: ``decay`` is an array in the
+    # state (a sweep may vmap it), and decayed counts change with ``now``.
   )
 
 
@@ -254,6 +275,7 @@ def lru_leaf() -> EvictionPolicy:
     on_touch=_stamp,
     on_publish=_stamp,
     leaf_only=True,
+    static_score=True,
   )
 
 
@@ -264,6 +286,7 @@ def _belady(leaf_only: bool) -> EvictionPolicy:
     on_touch=_store_next_use,
     on_publish=_store_next_use,
     leaf_only=leaf_only,
+    static_score=True,
   )
 
 

@@ -57,10 +57,11 @@ with the caller's optional ``next_use`` per block (``belady``). Blocks are
 then taken as follows: free blocks without a hash first, in queue order
 (such policies require ``free_order="prepend_unhashed"``, which keeps them
 at the queue head), and for the rest, one victim at a time, the free cached
-block with the lowest score (an O(N) masked reduction, vmappable; ties: the
-deepest block, i.e. the largest table column at publish, then the lowest
-id); it loses its identity and leaves the queue
-(:func:`prefixjax.paging.unlink_free`) before the ordinary pops take it.
+block with the lowest score (ties: the deepest block, i.e. the largest
+table column at publish, then the lowest id; found at the root of a
+tournament tree or by a masked reduction, see Cost); it loses its
+identity and leaves the queue (:func:`prefixjax.paging.unlink_free`)
+before the ordinary pops take it.
 :func:`append` and :func:`copy_on_write` take blocks the same way. For
 ``leaf_only`` policies (``lru_leaf``, ``belady_leaf``) the cache also keeps
 each cached block's parent (the block before it in the publishing table)
@@ -69,10 +70,13 @@ and its number of cached children; only blocks without one are eligible
 under a free parent).
 
 Cost: with ``lru`` every verb is O(M) lanes plus O(1) expected index probes
-per block touched, published or evicted; nothing scans the pool. Scoring
-policies add an O(N) reduction per victim. Values read from the
-state pass through :func:`prefixjax.paging.settle` before it is written
-(see there why).
+per block touched, published or evicted; nothing scans the pool. ``fifo``
+and ``belady`` (``static_score``, not ``leaf_only``) add ``ceil(log32 N)``
+32-lane reductions per block hit, released or evicted (a tournament tree of
+the free cached blocks, :mod:`prefixjax.victim_tree`; the victim is its
+root); the other scoring policies add an O(N) reduction per victim.
+Values read from the state pass through :func:`prefixjax.paging.settle`
+before it is written (see there why).
 
 Dimensions: ``N`` blocks (including the null block 0), ``S`` sequence
 slots, ``M`` block-table columns, ``K`` block size, ``C`` index slots.
@@ -87,7 +91,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from prefixjax import hashing, paging
+from prefixjax import hashing, paging, victim_tree
 from prefixjax import index as index_lib
 from prefixjax import policies as policies_lib
 from prefixjax.paging import NO_BLOCK, NULL_BLOCK, Status, gather, scatter
@@ -178,6 +182,9 @@ class PrefixCacheState:
     block_depth: ``[N]`` int32 for scoring policies, the table column each
       block was published at (the first tie-break: deeper blocks first).
     policy_state: the policy's metadata pytree (``policy.init(N)``).
+    victim_tree: for ``static_score`` policies that are not ``leaf_only``,
+      the :mod:`prefixjax.victim_tree` of free cached blocks (its root is
+      the next victim); ``()`` otherwise.
     free_order: static, where released blocks join the free queue:
       ``"append"`` (all at the tail, last block first: vLLM <= 0.22 and the
       paging core) or ``"prepend_unhashed"`` (unhashed ones at the head,
@@ -198,6 +205,7 @@ class PrefixCacheState:
   num_children: jax.Array  # [N] int32
   block_depth: jax.Array  # [N] int32
   policy_state: Any
+  victim_tree: tuple = ()
   free_order: str = struct.field(pytree_node=False, default="append")
   policy: policies_lib.EvictionPolicy = struct.field(
     pytree_node=False, default=policies_lib.lru()
@@ -366,6 +374,7 @@ def init(
     num_children=jnp.zeros((num_blocks,), jnp.int32),
     block_depth=jnp.zeros((num_blocks,), jnp.int32),
     policy_state=policy.init(num_blocks),
+    victim_tree=victim_tree.init(num_blocks) if _uses_tree(policy) else (),
     free_order=free_order,
     policy=policy,
   )
@@ -388,6 +397,55 @@ def _add_stats(stats: CacheStats, **deltas) -> CacheStats:
 
 def _settle(state: PrefixCacheState, *values):
   return paging.settle(state.paging, *values)
+
+
+def _uses_tree(policy: policies_lib.EvictionPolicy) -> bool:
+  return (
+    policy.score is not None and policy.static_score and not policy.leaf_only
+  )
+
+
+def _rank(state: PrefixCacheState):
+  """``ids -> (evictable, score, depth)`` for :mod:`prefixjax.victim_tree`
+  (the policy's score on the ``[N]`` metadata entries of ``ids``)."""
+  n = state.num_blocks
+
+  def rank(ids):
+    valid = (
+      (ids > NULL_BLOCK)
+      & (ids < n)
+      & (gather(state.paging.refcounts, ids, 1) == 0)
+      & (gather(state.dup_next, ids, NO_BLOCK) != NO_BLOCK)
+    )
+    meta = jax.tree.map(
+      lambda x: gather(x, ids) if x.ndim and x.shape[0] == n else x,
+      state.policy_state,
+    )
+    score = state.policy.score(meta, state.clock)
+    return valid, score, gather(state.block_depth, ids, -1)
+
+  return rank
+
+
+def _refresh_tree(state: PrefixCacheState, blocks: jax.Array, lanes):
+  """Re-ranks ``blocks[lanes]`` in the victim tree (if the policy has
+  one) after their eligibility may have changed. The state rides through
+  the loop so later writes are ordered after its reads."""
+  if not _uses_tree(state.policy):
+    return state
+  todo, count = paging._compact(blocks, lanes)
+
+  def body(c):
+    i, state = c
+    tree = victim_tree.refresh(
+      state.victim_tree, todo[i], jnp.bool_(True), _rank(state)
+    )
+    return i + 1, state.replace(victim_tree=tree)
+
+  _, state = jax.lax.while_loop(
+    lambda c: c[0] < count, body, (jnp.int32(0), state)
+  )
+  return state
 
 
 def _versioned(state: PrefixCacheState, keys: jax.Array, version=None):
@@ -450,6 +508,7 @@ def _evict_one(state: PrefixCacheState, block, ok):
   )
   if state.policy.leaf_only:
     state = _unlink_parent(state, block, has)
+  state = _refresh_tree(state, block[None], has[None])
   return state, one
 
 
@@ -503,16 +562,18 @@ def _promote_victims(state: PrefixCacheState, need, ok):
 
   def body(c):
     i, state, victims = c
-    evictable = (state.paging.refcounts == 0) & (state.dup_next != NO_BLOCK)
-    leaf = state.num_children == 0
-    victim = policies_lib.select_victim(
-      state.policy,
-      state.policy_state,
-      state.clock,
-      evictable,
-      leaf,
-      state.block_depth,
-    )
+    if _uses_tree(state.policy):
+      victim = victim_tree.victim(state.victim_tree)
+    else:
+      evictable = (state.paging.refcounts == 0) & (state.dup_next != NO_BLOCK)
+      victim = policies_lib.select_victim(
+        state.policy,
+        state.policy_state,
+        state.clock,
+        evictable,
+        state.num_children == 0,
+        state.block_depth,
+      )
     victim = _settle(state, victim)[0]
     found = victim != NO_BLOCK
     state, _ = _evict_one(state, victim, found)
@@ -567,7 +628,8 @@ def _touch(state: PrefixCacheState, blocks: jax.Array, count):
   stats = stats.replace(
     num_cached_free=stats.num_cached_free - jnp.sum(zero.astype(jnp.int32))
   )
-  return state.replace(paging=pstate, stats=stats)
+  state = state.replace(paging=pstate, stats=stats)
+  return _refresh_tree(state, blocks, zero)
 
 
 def _seq_checks(state: PrefixCacheState, seq_id, want_active: bool):
@@ -870,7 +932,8 @@ def _release_prepend_unhashed(state: PrefixCacheState, seq_id):
     num_cached_free=state.stats.num_cached_free + n_tail
   )
   result = paging.ReleaseResult(status, all_freed, num_freed)
-  return state.replace(paging=pstate, stats=stats), result
+  state = state.replace(paging=pstate, stats=stats)
+  return _refresh_tree(state, to_tail, jnp.arange(m) < n_tail), result
 
 
 @jax.jit
@@ -884,7 +947,8 @@ def _release(state, seq_id):
     num_cached_free=state.stats.num_cached_free
     + jnp.sum(hashed.astype(jnp.int32))
   )
-  return state.replace(paging=pstate, stats=stats), r
+  state = state.replace(paging=pstate, stats=stats)
+  return _refresh_tree(state, r.freed_blocks, hashed), r
 
 
 @jax.jit
@@ -1147,6 +1211,13 @@ def _check_policy_invariants(state, hashed) -> list[str]:
   flags = [bool(hashed[b]) for b in order]
   if flags != sorted(flags):
     errors.append("a free block without a hash follows a hashed one")
+  if _uses_tree(state.policy):
+    want = victim_tree.build(state.num_blocks, _rank(state))
+    for level, (got, exp) in enumerate(
+      zip(state.victim_tree, want, strict=True)
+    ):
+      if not np.array_equal(np.asarray(got), np.asarray(exp)):
+        errors.append(f"victim tree level {level} is stale")
   if state.policy.leaf_only:
     parent = np.asarray(state.block_parent)
     children = np.asarray(state.num_children)
@@ -1168,7 +1239,8 @@ def check_invariants(state: PrefixCacheState) -> list[str]:
   key, pointing into its list; no live sequence's partially filled last
   block is published (it would be written); counters match; for scoring
   policies, free blocks without a hash lead the free queue, and for leaf
-  policies the parent links and child counts agree.
+  policies the parent links and child counts agree, and a victim tree
+  equals one rebuilt from scratch.
   """
   _check_state(state)
   errors = list(paging.check_invariants(state.paging))
