@@ -287,6 +287,8 @@ def _cmd_replay(args) -> int:
 
 def _replay_vllm(args, trace, load_s) -> int:
   import jax
+  import numpy as np
+  from tqdm import tqdm
 
   from prefixjax.serving_replay import replay_vllm
 
@@ -295,31 +297,57 @@ def _replay_vllm(args, trace, load_s) -> int:
       f"--semantics vllm uses vLLM's free-queue order: pass --policy lru "
       f"(got {' '.join(args.policy)})"
     )
-  block_size = args.block_size or 16
-  if not trace.has_token_ids:
+  if trace.has_token_ids:
+    block_size = args.block_size or 16
+    source = "token ids"
+  elif trace.has_hash_ids:
+    # The loader read the hash ids with --block-size (or the trace's own).
+    block_size = trace.hash_block_size
+    source = "hash ids, output-filled blocks never hit"
+  else:
     raise CliError(
-      f"{trace.name}: vllm semantics needs token ids (a token-id trace or "
-      "the built-in workload); Mooncake hash ids are not supported yet"
+      f"{trace.name}: vllm semantics needs token ids or per-block hash ids "
+      "(a token-id trace, a Mooncake trace or the built-in workload); this "
+      "trace has lengths only"
     )
   largest = int((trace.input_lengths + trace.output_lengths).max())
   need = -(-largest // block_size)
   capacities = args.capacity or [need * f for f in (2, 8, 32, 128)]
+  # Checked here too (replay_vllm's rule) so that a bad capacity fails
+  # before the points before it are computed one capacity at a time.
+  held = trace.input_lengths + np.maximum(trace.output_lengths, 1) - 1
+  fits = -(-int(held.max()) // block_size)
+  if min(capacities) < fits:
+    raise CliError(
+      f"capacity={min(capacities)} blocks cannot hold the largest request "
+      f"({fits} blocks of {block_size} tokens)"
+    )
   print(
-    f"prefixjax replay: {trace.name} ({len(trace):,} requests), vllm "
-    f"semantics (one request at a time, policy lru), block {block_size}, "
-    f"warm-up {args.warmup_fraction:g}, jax {jax.__version__} on "
-    f"{jax.default_backend()}",
+    f"prefixjax replay: {trace.name} ({len(trace):,} requests, {source}), "
+    f"vllm semantics (one request at a time, policy lru), block "
+    f"{block_size}, warm-up {args.warmup_fraction:g}, jax {jax.__version__} "
+    f"on {jax.default_backend()}",
     flush=True,
   )
   timings: dict = {}
-  points = replay_vllm(
-    trace,
-    block_size=block_size,
-    capacities=capacities,
-    warmup_fraction=args.warmup_fraction,
-    publish=args.publish,
-    timings=timings,
+  points = []
+  bar = tqdm(
+    capacities,
+    desc="capacities",
+    unit="capacity",
+    leave=False,
+    disable=not sys.stderr.isatty(),
   )
+  for capacity in bar:
+    bar.set_postfix_str(f"{capacity:,} blocks")
+    points += replay_vllm(
+      trace,
+      block_size=block_size,
+      capacities=[capacity],
+      warmup_fraction=args.warmup_fraction,
+      publish=args.publish,
+      timings=timings,
+    )
   return _report(args, trace, points, None, load_s, timings)
 
 

@@ -12,8 +12,36 @@ plus the null block; policy ``lru`` (vLLM's free-queue order).
 
 Token-id traces give exact block contents; when a request's output token ids
 are not known, its outputs are given ids no prompt uses (``-1 - request``),
-so output-filled blocks are cached but never hit. The whole replay is one
-jitted ``lax.scan`` over requests per capacity.
+so output-filled blocks are cached but never hit.
+
+Hash-id traces (Mooncake ``hash_ids``: one pre-chained id per block of the
+trace's fixed block size) give block identities instead: block ``j`` of a
+prompt is cached under its trace id when it is full (``j < P // K``); the id
+of a partial last prompt block describes a partial block and is dropped, so
+that block, and every block filled during decode, gets a fresh key that no
+other block ever carries (it is cached but never hit). This is the oracle's
+``VllmPrefixCache.run_request_hashed`` without ``all_hashes``. Content keys
+(``[2]`` uint32 lanes, before the cache mixes in its version word) are:
+
+* trace id ``v`` (``0 <= v < 2**63``): ``(v & 0xFFFFFFFF, v >> 32)``, the
+  :func:`prefixjax.hashing.int64_to_lanes` split; bit 31 of lane 1 is 0;
+* fresh key of request ``r``, table column ``j``: ``(r, FRESH_TAG | j)``
+  with ``FRESH_TAG = 0x80000000``; bit 31 of lane 1 is 1.
+
+So ids never equal fresh keys, fresh keys are distinct across the whole
+replay, and equal ids are equal keys. A trace is replayed from its token ids
+if it has them and from its hash ids otherwise, so token-hash keys and id
+keys never meet in one cache. The cache's version mix is a 64-bit hash that
+keeps keys differing in one lane apart (see :mod:`prefixjax.hashing`), so
+ids below ``2**32`` (all of Mooncake's) never collide in the index; other
+distinct keys collide with probability about ``2**-64`` per pair.
+
+The key matrix ``[R, M, 2]`` is built on the host (the ids are given); the
+whole replay is one jitted ``lax.scan`` over requests per capacity either
+way.
+
+Dimensions: ``R`` requests, ``T`` padded tokens per request, ``K`` block
+size, ``M = T // K`` blocks per request (table columns).
 """
 
 from __future__ import annotations
@@ -31,14 +59,18 @@ from prefixjax import prefix_cache as pc
 from prefixjax.replay import ReplayPoint
 from prefixjax.workloads import Trace
 
-__all__ = ["PUBLISH_MODES", "replay_vllm"]
+__all__ = ["FRESH_TAG", "PUBLISH_MODES", "replay_vllm"]
+
+FRESH_TAG = 0x80000000
+"""Bit 31 of lane 1: set in fresh (never-hit) keys, clear in trace-id keys."""
+
+PUBLISH_MODES = ("early", "late")
 
 
-def _token_matrix(trace: Trace, block_size: int):
+def _token_matrix(trace: Trace, block_size: int, totals: np.ndarray):
   """``[R, T]`` int32 prompt + output tokens, ``T`` a multiple of ``K``."""
   prompts = trace.input_token_ids
   outputs = trace.output_token_ids
-  totals = trace.input_lengths + np.maximum(trace.output_lengths, 1) - 1
   width = int(-(-max(int(totals.max()), 1) // block_size) * block_size)
   tokens = np.zeros((len(trace), width), np.int32)
   for r in range(len(trace)):
@@ -50,30 +82,75 @@ def _token_matrix(trace: Trace, block_size: int):
       out = np.full(out_len, -1 - r, np.int32)
     tokens[r, : len(prompt)] = prompt
     tokens[r, len(prompt) : len(prompt) + out_len] = out
-  return tokens, totals.astype(np.int32)
+  return tokens
 
 
-PUBLISH_MODES = ("early", "late")
+def _key_matrix(trace: Trace, block_size: int, totals: np.ndarray):
+  """``[R, M, 2]`` uint32 content keys of a hash-id trace (module docstring):
+  trace ids for the full prompt blocks, fresh keys everywhere else."""
+  num_requests = len(trace)
+  max_blocks = -(-max(int(totals.max()), 1) // block_size)
+  if num_requests >= FRESH_TAG or max_blocks >= FRESH_TAG:
+    raise ValueError(
+      f"{num_requests} requests of up to {max_blocks} blocks do not fit the "
+      "fresh-key encoding (at most 2**31 - 1 each)"
+    )
+  full = (np.asarray(trace.input_lengths) // block_size).astype(np.int64)
+  ids = np.concatenate(
+    [row[:n] for row, n in zip(trace.hash_ids, full, strict=True)]
+    + [np.zeros(0, np.int64)]
+  )
+  if ids.size and ids.min() < 0:
+    r = next(i for i, row in enumerate(trace.hash_ids) if (row < 0).any())
+    bad = int(trace.hash_ids[r][trace.hash_ids[r] < 0][0])
+    raise ValueError(
+      f"hash_ids[{r}] holds {bad}: hash ids must be in [0, 2**63) (bit 63 "
+      "would overlap the fresh-key tag)"
+    )
+  keys = np.empty((num_requests, max_blocks, 2), np.uint32)
+  keys[:, :, 0] = np.arange(num_requests, dtype=np.uint32)[:, None]
+  keys[:, :, 1] = np.uint32(FRESH_TAG) | np.arange(max_blocks, dtype=np.uint32)
+  rows = np.repeat(np.arange(num_requests), full)
+  starts = np.cumsum(full) - full
+  cols = np.arange(ids.size) - np.repeat(starts, full)
+  keys[rows, cols] = hashing.int64_to_lanes(ids)
+  return keys
+
+
+def _serve(state: pc.PrefixCacheState, keys, prompt_len, total, publish):
+  """One request alone on sequence slot 0; ``keys`` ``[M, 2]`` uint32."""
+  seq = jnp.int32(0)
+  state, alloc = pc._allocate_with_prefix(state, seq, keys, prompt_len)
+  if publish == "early":  # as the prompt's blocks fill
+    state, _ = pc._publish(state, seq, keys, prompt_len)
+  state, _ = pc._append(state, seq, total - prompt_len)
+  state, _ = pc._publish(state, seq, keys, total)
+  state, _ = pc._release(state, seq)
+  ok = alloc.status == paging.Status.OK
+  return state, (jnp.where(ok, alloc.hit_tokens, 0), alloc.status)
 
 
 @functools.partial(jax.jit, static_argnames="publish")
-def _run(state: pc.PrefixCacheState, tokens, prompt_lens, totals, publish):
+def _run_tokens(state, tokens, prompt_lens, totals, publish):
+  """Scan over requests given as ``[R, T]`` tokens."""
   block_size = state.paging.block_size
-  seq = jnp.int32(0)
 
   def step(state, request):
     toks, p, total = request
     keys, _ = hashing.block_hashes(toks, total, block_size=block_size)
-    state, alloc = pc._allocate_with_prefix(state, seq, keys, p)
-    if publish == "early":  # as the prompt's blocks fill
-      state, _ = pc._publish(state, seq, keys, p)
-    state, _ = pc._append(state, seq, total - p)
-    state, _ = pc._publish(state, seq, keys, total)
-    state, _ = pc._release(state, seq)
-    ok = alloc.status == paging.Status.OK
-    return state, (jnp.where(ok, alloc.hit_tokens, 0), alloc.status)
+    return _serve(state, keys, p, total, publish)
 
   return jax.lax.scan(step, state, (tokens, prompt_lens, totals))
+
+
+@functools.partial(jax.jit, static_argnames="publish")
+def _run_keys(state, keys, prompt_lens, totals, publish):
+  """Scan over requests given as ``[R, M, 2]`` content keys."""
+
+  def step(state, request):
+    return _serve(state, *request, publish)
+
+  return jax.lax.scan(step, state, (keys, prompt_lens, totals))
 
 
 def replay_vllm(
@@ -85,11 +162,13 @@ def replay_vllm(
   publish: str = "early",
   timings: dict | None = None,
 ) -> list[ReplayPoint]:
-  """Replays a token-id trace with vLLM v1 prefix-caching semantics.
+  """Replays a trace with vLLM v1 prefix-caching semantics.
 
   Args:
-    trace: a trace with ``input_token_ids`` (token-id JSONL or generated).
-    block_size: tokens per block.
+    trace: a trace with ``input_token_ids`` (token-id JSONL or generated)
+      or ``hash_ids`` (Mooncake JSONL); token ids are used when it has both.
+    block_size: tokens per block; for a hash-id trace it must equal the
+      trace's ``hash_block_size``.
     capacities: usable blocks in the pool (the null block is extra); each
       must hold the largest request (``ceil((P + O - 1) / K)`` blocks).
     warmup_fraction: share of requests before hits are counted.
@@ -103,20 +182,52 @@ def replay_vllm(
     One :class:`prefixjax.replay.ReplayPoint` per capacity, policy ``lru``.
 
   Raises:
-    ValueError: no token ids, a bad size, or a capacity too small for the
-      largest request.
+    ValueError: no token ids and no hash ids, a block size other than a
+      hash-id trace's, a negative hash id, a bad size, or a capacity too
+      small for the largest request.
+
+  Example:
+    >>> import numpy as np
+    >>> from prefixjax.serving_replay import replay_vllm
+    >>> from prefixjax.workloads import Trace
+    >>> trace = Trace(
+    ...   [0.0, 1.0], [8, 9], [1, 1],
+    ...   hash_ids=[np.array([5, 6]), np.array([5, 6, 7])], hash_block_size=4)
+    >>> (point,) = replay_vllm(
+    ...   trace, block_size=4, capacities=[4], warmup_fraction=0.0)
+    >>> point.per_request_hit_tokens.tolist()
+    [0, 8]
   """
-  if not trace.has_token_ids:
+  if isinstance(block_size, bool) or not isinstance(
+    block_size, int | np.integer
+  ):
+    raise TypeError(f"block_size must be an int, got {block_size!r}")
+  if block_size < 1:
+    raise ValueError(f"block_size={block_size} must be >= 1")
+  block_size = int(block_size)
+  from_tokens = trace.has_token_ids
+  if not from_tokens and not trace.has_hash_ids:
     raise ValueError(
-      f"trace {trace.name!r} has no token ids: vLLM-semantics replay needs "
-      "block contents (use a token-id trace or a generated workload)"
+      f"trace {trace.name!r} has no token ids and no hash ids: vLLM-semantics "
+      "replay needs block contents (use a token-id trace, a Mooncake "
+      "hash-id trace or a generated workload)"
+    )
+  if not from_tokens and block_size != trace.hash_block_size:
+    raise ValueError(
+      f"block_size={block_size} differs from the hash block size "
+      f"{trace.hash_block_size} of trace {trace.name!r}: hash ids name "
+      "blocks of that size only"
     )
   if not 0.0 <= warmup_fraction <= 1.0:
     raise ValueError(f"warmup_fraction={warmup_fraction} must be in [0, 1]")
   if publish not in PUBLISH_MODES:
     raise ValueError(f"publish={publish!r} is not one of {PUBLISH_MODES}")
-  tokens, totals = _token_matrix(trace, block_size)
-  max_blocks = tokens.shape[1] // block_size
+  if len(trace) == 0:
+    raise ValueError(f"trace {trace.name!r} has no requests")
+  prompt_lens = np.asarray(trace.input_lengths, np.int32)
+  totals = (
+    trace.input_lengths + np.maximum(trace.output_lengths, 1) - 1
+  ).astype(np.int32)
   need = int(-(-int(totals.max()) // block_size))
   for capacity in capacities:
     if capacity < need:
@@ -124,17 +235,22 @@ def replay_vllm(
         f"capacity={capacity} blocks cannot hold the largest request "
         f"({need} blocks of {block_size} tokens)"
       )
-  prompt_lens = np.asarray(trace.input_lengths, np.int32)
+  if from_tokens:
+    run, blocks = _run_tokens, _token_matrix(trace, block_size, totals)
+    max_blocks = blocks.shape[1] // block_size
+  else:
+    run, blocks = _run_keys, _key_matrix(trace, block_size, totals)
+    max_blocks = blocks.shape[1]
   warmup = int(np.floor(len(trace) * warmup_fraction))
   total_tokens = int(prompt_lens[warmup:].astype(np.int64).sum())
-  args = (jnp.asarray(tokens), jnp.asarray(prompt_lens), jnp.asarray(totals))
+  args = (jnp.asarray(blocks), jnp.asarray(prompt_lens), jnp.asarray(totals))
   points = []
   for capacity in capacities:
     state = pc.init(
       int(capacity) + 1, block_size, max_seqs=1, max_blocks_per_seq=max_blocks
     )
     start = time.perf_counter()
-    compiled = _run.lower(state, *args, publish=publish).compile()
+    compiled = run.lower(state, *args, publish=publish).compile()
     compile_s = time.perf_counter() - start
     start = time.perf_counter()
     _, (hits, status) = jax.block_until_ready(compiled(state, *args))

@@ -206,6 +206,49 @@ def test_cli_replay_vllm_semantics_on_token_trace(tmp_path, capsys):
   assert "--policy lru" in capsys.readouterr().err
 
 
+def test_cli_replay_vllm_semantics_on_mooncake_trace(tmp_path, capsys):
+  trace = tmp_path / "mooncake.jsonl"
+  # Block 4: request 0's partial block (id 3) fills during decode and is
+  # never hit; request 1 caches id 3 as a full block; requests 2 and 3 hit
+  # 3 blocks each (request 3's whole-block prompt recomputes its last).
+  rows = [([1, 2, 3], 10, 7), ([1, 2, 3, 9], 13, 1), ([1, 2, 3, 4], 16, 1)]
+  rows.append(rows[-1])
+  trace.write_text(
+    "".join(
+      json.dumps(
+        dict(timestamp=i, input_length=n, output_length=o, hash_ids=ids)
+      )
+      + "\n"
+      for i, (ids, n, o) in enumerate(rows)
+    )
+  )
+  out = tmp_path / "v.json"
+  argv = ["replay", "--trace", str(trace), "--semantics", "vllm"]
+  argv += ["--block-size", "4", "--warmup-fraction", "0"]
+  assert cli.main(argv + ["--capacity", "8", "40", "--json", str(out)]) == 0
+  assert "hash ids" in capsys.readouterr().out
+  payload = json.loads(out.read_text())
+  assert set(payload["timing"]) == {"load_s", "compile_s", "run_s"}
+  assert payload["semantics"] == "vllm"
+  points = payload["points"]
+  assert [p["capacity_blocks"] for p in points] == [8, 40]
+  assert all(p["policy"] == "lru" and p["block_size"] == 4 for p in points)
+  assert [p["hit_tokens"] for p in points] == [32, 32]
+  assert points[0]["total_tokens"] == 10 + 13 + 16 + 16
+  # Request 0 holds 10 + 7 - 1 = 16 tokens: 4 blocks.
+  assert cli.main(argv + ["--capacity", "8", "3"]) == 2
+  err = capsys.readouterr().err
+  assert "capacity=3 blocks cannot hold the largest request (4 blocks" in err
+
+
+def test_cli_replay_vllm_semantics_refuses_length_only_trace(tmp_path, capsys):
+  trace = tmp_path / "lengths.csv"
+  trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,10,2\n")
+  argv = ["replay", "--trace", str(trace), "--semantics", "vllm"]
+  assert cli.main(argv + ["--capacity", "8"]) == 2
+  assert "lengths only" in capsys.readouterr().err
+
+
 def test_plot_hit_rates_writes_png(tmp_path):
   pytest.importorskip("matplotlib", reason="matplotlib is not installed")
   from prefixjax.plots import plot_hit_rates

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from reference_models import vllm_apc
+from reference_models import shared_trace, shared_traces_dir, vllm_apc
 
 from prefixjax.serving_replay import replay_vllm
-from prefixjax.workloads import Trace, generate_workload
+from prefixjax.workloads import Trace, generate_workload, load_mooncake
+
+MOONCAKE = "mooncake_conversation_trace.jsonl"
 
 
 def _oracle_hits(trace, block_size, capacity):
@@ -69,13 +71,136 @@ def test_refuses_what_it_cannot_do():
   trace = generate_workload("system_prompt", num_requests=4, seed=0)
   with pytest.raises(ValueError, match="cannot hold the largest request"):
     replay_vllm(trace, block_size=16, capacities=[2])
+  with pytest.raises(ValueError, match="block_size=0 must be >= 1"):
+    replay_vllm(trace, block_size=0, capacities=[8])
   lengths_only = Trace(
     arrival_times_s=np.zeros(1),
     input_lengths=np.asarray([5]),
     output_lengths=np.asarray([1]),
   )
-  with pytest.raises(ValueError, match="no token ids"):
+  with pytest.raises(ValueError, match="no token ids and no hash ids"):
     replay_vllm(lengths_only, block_size=16, capacities=[8])
+
+
+def _hashed(ids, prompt_lens, output_lens, block_size):
+  return Trace(
+    arrival_times_s=np.zeros(len(ids)),
+    input_lengths=np.asarray(prompt_lens),
+    output_lengths=np.asarray(output_lens),
+    hash_ids=[np.asarray(row, np.int64) for row in ids],
+    hash_block_size=block_size,
+    name="hashed",
+  )
+
+
+def test_hash_id_trace_refusals():
+  trace = _hashed([[1, 2], [1, 2, 3]], [8, 9], [3, 9], block_size=4)
+  with pytest.raises(ValueError, match="differs from the hash block size 4"):
+    replay_vllm(trace, block_size=8, capacities=[16])
+  # Request 2 holds 9 + 9 - 1 = 17 tokens: 5 blocks of 4.
+  with pytest.raises(ValueError, match=r"capacity=4 .* \(5 blocks of 4"):
+    replay_vllm(trace, block_size=4, capacities=[16, 4])
+  negative = _hashed([[1, -2]], [8], [1], block_size=4)
+  with pytest.raises(ValueError, match=r"hash_ids\[0\] holds -2"):
+    replay_vllm(negative, block_size=4, capacities=[16])
+
+
+def test_hash_ids_partial_and_decode_blocks_never_hit():
+  """K = 4. Request 0's partial prompt block (id 3) fills during decode and
+  gets a fresh key, so request 1 misses it; request 1 caches id 3 as a full
+  block, so request 2 hits it; request 3 repeats request 2 and, its prompt
+  being whole blocks, hits all but the last one."""
+  ids = [[1, 2, 3], [1, 2, 3, 9], [1, 2, 3, 4], [1, 2, 3, 4]]
+  prompt_lens, output_lens = [10, 13, 16, 16], [7, 1, 1, 0]
+  trace = _hashed(ids, prompt_lens, output_lens, block_size=4)
+  (point,) = replay_vllm(
+    trace, block_size=4, capacities=[64], warmup_fraction=0.0
+  )
+  assert point.per_request_hit_tokens.tolist() == [0, 8, 12, 12]
+  assert point.per_request_hit_tokens.tolist() == _oracle_hits_hashed(
+    trace, 4, 64
+  )
+
+
+def _oracle_hits_hashed(trace, block_size, capacity):
+  cache = vllm_apc.VllmPrefixCache.from_capacity(
+    capacity, block_size, free_order="append"
+  )
+  return [
+    cache.run_request_hashed(
+      trace.hash_ids[r].tolist(),
+      int(trace.input_lengths[r]),
+      int(trace.output_lengths[r]),
+    )
+    for r in range(len(trace))
+  ]
+
+
+def _random_hashed_trace(rng, num_requests, block_size, wide_ids):
+  """Heavy sharing: requests take a prefix of one of a few documents plus a
+  short tail from a small pool (so tails repeat too); the last prompt block
+  is partial or whole at random; outputs of 0 to 3 blocks (filled during
+  decode). Ids are chained (equal ids mean equal prefixes), then mapped
+  injectively to small ids or to ids spread over ``[0, 2**63)``."""
+  documents = [
+    rng.integers(0, 4, size=rng.integers(1, 9)).tolist() for _ in range(4)
+  ]
+  chain: dict[tuple, int] = {}
+  ids, prompt_lens, output_lens = [], [], []
+  for _ in range(num_requests):
+    doc = documents[rng.integers(0, len(documents))]
+    labels = doc[: rng.integers(0, len(doc) + 1)]
+    labels = labels + rng.integers(0, 3, size=rng.integers(0, 4)).tolist()
+    if not labels:
+      labels = [0]
+    row, parent = [], -1
+    for label in labels:
+      parent = chain.setdefault((parent, label), len(chain))
+      row.append(parent)
+    ids.append(row)
+    n = len(row)
+    prompt_lens.append(
+      int(rng.integers((n - 1) * block_size + 1, n * block_size + 1))
+    )
+    output_lens.append(int(rng.integers(0, 3 * block_size + 1)))
+  if wide_ids:
+    table = rng.choice(2**62, size=len(chain), replace=False) * 2 + 1
+  else:
+    table = rng.permutation(len(chain)) + 7
+  ids = [table[row].tolist() for row in ids]
+  return _hashed(ids, prompt_lens, output_lens, block_size)
+
+
+@pytest.mark.parametrize("wide_ids", [False, True], ids=["small", "wide"])
+def test_hash_id_trace_matches_vllm_oracle(wide_ids, rng):
+  block_size = int(rng.choice([1, 3, 4, 16]))
+  trace = _random_hashed_trace(rng, 80, block_size, wide_ids)
+  held = trace.input_lengths + np.maximum(trace.output_lengths, 1) - 1
+  need = -(-int(held.max()) // block_size)
+  capacities = [need, need + int(rng.integers(1, 4)), 3 * need]
+  points = replay_vllm(
+    trace, block_size=block_size, capacities=capacities, warmup_fraction=0.0
+  )
+  for capacity, point in zip(capacities, points, strict=True):
+    want = _oracle_hits_hashed(trace, block_size, capacity)
+    assert point.per_request_hit_tokens.tolist() == want, capacity
+
+
+def test_mooncake_prefix_matches_vllm_oracle():
+  path = shared_trace(MOONCAKE)
+  if path is None:
+    pytest.skip(f"real trace {MOONCAKE} not found in {shared_traces_dir()}")
+  trace = load_mooncake(path, limit=300)
+  held = trace.input_lengths + np.maximum(trace.output_lengths, 1) - 1
+  need = -(-int(held.max()) // 512)
+  capacities = [need, 4 * need]
+  points = replay_vllm(
+    trace, block_size=512, capacities=capacities, warmup_fraction=0.0
+  )
+  for capacity, point in zip(capacities, points, strict=True):
+    want = _oracle_hits_hashed(trace, 512, capacity)
+    assert point.per_request_hit_tokens.tolist() == want, capacity
+    assert point.hit_tokens > 0
 
 
 def test_publish_switch_is_equivalent_one_request_at_a_time(rng):
