@@ -22,6 +22,8 @@ from prefixjax import (
   prefix_cache,
   replay,
   serving_replay,
+  sglang_replay,
+  victim_tree,
   workloads,
 )
 from prefixjax.paging import (
@@ -98,7 +100,9 @@ __all__ = [
   "release",
   "replay",
   "serving_replay",
+  "sglang_replay",
   "slot_mapping",
+  "victim_tree",
   "workload_defaults",
   "workload_kinds",
   "workloads",

@@ -14,6 +14,7 @@ Bad arguments and bad input files exit with status 2 and a one-line message;
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -174,7 +175,8 @@ def _add_replay(subparsers) -> None:
     default=None,
     choices=(*REPLAY_POLICIES, "lru"),
     metavar="P",
-    help=f"kvcache-sim: {', '.join(REPLAY_POLICIES)} (default: all); vllm: lru",
+    help=f"kvcache-sim: {', '.join(REPLAY_POLICIES)} (default: all); "
+    "vllm: lru; sglang: lru_leaf",
   )
   p.add_argument("--semantics", default="kvcache-sim", choices=SEMANTICS)
   p.add_argument(
@@ -212,10 +214,6 @@ def _cmd_replay(args) -> int:
   from prefixjax import replay as rp
   from prefixjax.workloads import default_workload, load_trace
 
-  if args.semantics == "sglang":
-    raise CliError(
-      "--semantics sglang is not implemented yet; use kvcache-sim or vllm"
-    )
   start = time.perf_counter()
   if args.trace:
     trace = load_trace(
@@ -223,8 +221,8 @@ def _cmd_replay(args) -> int:
     )
   else:
     trace = default_workload()
-  if args.semantics == "vllm":
-    return _replay_vllm(args, trace, time.perf_counter() - start)
+  if args.semantics in SERVING:
+    return _replay_serving(args, trace, time.perf_counter() - start)
   if trace.has_hash_ids:
     block_size = trace.hash_block_size
     hash_ids = trace.hash_ids
@@ -285,18 +283,30 @@ def _cmd_replay(args) -> int:
   return _report(args, trace, points, ceiling, load_s, timings)
 
 
-def _replay_vllm(args, trace, load_s) -> int:
+# Serving semantics: their one policy and what it is.
+SERVING = {
+  "vllm": ("lru", "vLLM's free-queue order"),
+  "sglang": ("lru_leaf", "SGLang's radix-tree LRU"),
+}
+
+
+def _replay_serving(args, trace, load_s) -> int:
   import jax
   import numpy as np
   from tqdm import tqdm
 
-  from prefixjax.serving_replay import replay_vllm
+  from prefixjax import serving_replay, sglang_replay
 
-  if args.policy not in (None, ["lru"]):
+  policy, order = SERVING[args.semantics]
+  if args.policy not in (None, [policy]):
     raise CliError(
-      f"--semantics vllm uses vLLM's free-queue order: pass --policy lru "
+      f"--semantics {args.semantics} uses {order}: pass --policy {policy} "
       f"(got {' '.join(args.policy)})"
     )
+  if args.semantics == "vllm":
+    run = functools.partial(serving_replay.replay_vllm, publish=args.publish)
+  else:
+    run = sglang_replay.replay_sglang
   if trace.has_token_ids:
     block_size = args.block_size or 16
     source = "token ids"
@@ -306,14 +316,15 @@ def _replay_vllm(args, trace, load_s) -> int:
     source = "hash ids, output-filled blocks never hit"
   else:
     raise CliError(
-      f"{trace.name}: vllm semantics needs token ids or per-block hash ids "
+      f"{trace.name}: {args.semantics} semantics needs token ids or "
+      "per-block hash ids "
       "(a token-id trace, a Mooncake trace or the built-in workload); this "
       "trace has lengths only"
     )
   largest = int((trace.input_lengths + trace.output_lengths).max())
   need = -(-largest // block_size)
   capacities = args.capacity or [need * f for f in (2, 8, 32, 128)]
-  # Checked here too (replay_vllm's rule) so that a bad capacity fails
+  # Checked here too (the replays' rule) so that a bad capacity fails
   # before the points before it are computed one capacity at a time.
   held = trace.input_lengths + np.maximum(trace.output_lengths, 1) - 1
   fits = -(-int(held.max()) // block_size)
@@ -324,9 +335,9 @@ def _replay_vllm(args, trace, load_s) -> int:
     )
   print(
     f"prefixjax replay: {trace.name} ({len(trace):,} requests, {source}), "
-    f"vllm semantics (one request at a time, policy lru), block "
-    f"{block_size}, warm-up {args.warmup_fraction:g}, jax {jax.__version__} "
-    f"on {jax.default_backend()}",
+    f"{args.semantics} semantics (one request at a time, policy {policy}), "
+    f"block {block_size}, warm-up {args.warmup_fraction:g}, "
+    f"jax {jax.__version__} on {jax.default_backend()}",
     flush=True,
   )
   timings: dict = {}
@@ -340,12 +351,11 @@ def _replay_vllm(args, trace, load_s) -> int:
   )
   for capacity in bar:
     bar.set_postfix_str(f"{capacity:,} blocks")
-    points += replay_vllm(
+    points += run(
       trace,
       block_size=block_size,
       capacities=[capacity],
       warmup_fraction=args.warmup_fraction,
-      publish=args.publish,
       timings=timings,
     )
   return _report(args, trace, points, None, load_s, timings)

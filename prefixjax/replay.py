@@ -71,6 +71,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from prefixjax import bitmap
 from prefixjax.paging import barrier, gather, scatter, scatter_add
 
 __all__ = [
@@ -333,84 +334,6 @@ def _set(x, i, value, do):
   return scatter(x, i[None], value, do)
 
 
-def _bm_layout(num_keys):
-  """Word offsets of the levels of a hierarchical bitmap over ``num_keys``.
-
-  Level 0 has one bit per key; a bit of level ``l + 1`` says whether the
-  word of level ``l`` under it is nonzero; the top level is one word.
-  """
-  sizes = []
-  n = num_keys
-  while True:
-    n = -(-n // 32)
-    sizes.append(n)
-    if n == 1:
-      break
-  offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
-  return tuple(offsets[:-1]), int(offsets[-1])
-
-
-def _bm_find(bm, static, rightmost: bool):
-  """The largest (``rightmost``) or smallest key in the bitmap, or -1.
-
-  One word gather per level (3-4 levels), not one per bit of the key.
-  """
-  offsets = static["bm_offsets"]
-  i = jnp.int32(0)
-  for off in reversed(offsets):
-    w = _one(bm, off + i, 0)
-    if rightmost:
-      b = 31 - jax.lax.clz(w).astype(jnp.int32)
-    else:
-      b = jax.lax.population_count((w & (~w + 1)) - 1).astype(jnp.int32)
-    i = i * 32 + b
-  found = _one(bm, jnp.int32(offsets[-1]), 0) != 0
-  return jnp.where(found, i, _NONE)
-
-
-def _bm_index(static, keys):
-  """``[U, L]`` word indices of ``keys`` (``[U]``) at every level."""
-  levels = len(static["bm_offsets"])
-  shifts = 5 * jnp.arange(1, levels + 1, dtype=jnp.int32)
-  offsets = jnp.asarray(static["bm_offsets"], jnp.int32)
-  word = keys[:, None] >> shifts[None, :]
-  return jnp.where(keys[:, None] >= 0, offsets[None, :] + word, -1)
-
-
-def _bm_words(bm, static, keys):
-  """The words on the paths of ``keys`` (``[U]``): ``[U, L]``, one gather."""
-  idx = _bm_index(static, keys)
-  return gather(bm, idx.reshape(-1), 0).reshape(idx.shape)
-
-
-def _bm_update(bm, static, keys, words, sets, dos):
-  """Sets (``sets``) or clears the bits of ``keys`` where ``dos``.
-
-  ``words`` are the old words on the keys' paths (from :func:`_bm_words`,
-  read before any write). A key both cleared and set stays set (one leaf
-  leaves the key, another takes it). Lanes sharing a word get the same
-  merged value, so one scatter writes every level.
-  """
-  levels = len(static["bm_offsets"])
-  u32 = jnp.uint32
-  idx = _bm_index(static, keys)
-  same = lambda lv: (idx[:, lv][:, None] == idx[:, lv][None, :]) & dos[None, :]
-  new = []
-  value = sets  # the bit each active lane writes at level 0
-  for lv in range(levels):
-    pos = ((keys >> (5 * lv)) & 31).astype(u32)
-    bit = jnp.left_shift(u32(1), pos)
-    on = jnp.where(same(lv) & value[None, :], bit[None, :], u32(0))
-    off = jnp.where(same(lv) & ~value[None, :], bit[None, :], u32(0))
-    or_all = lambda m: jax.lax.reduce(m, u32(0), jax.lax.bitwise_or, (1,))
-    w = (words[:, lv] & ~or_all(off)) | or_all(on)
-    new.append(w)
-    value = w != 0
-  new = jnp.stack(new, axis=1)
-  mask = jnp.broadcast_to(dos[:, None], idx.shape)
-  return scatter(bm, idx.reshape(-1), new.reshape(-1), mask.reshape(-1))
-
-
 def _init_carry(policy, num_nodes, num_keys, capacity, max_capacity):
   i32 = jnp.int32
   s = {
@@ -429,7 +352,7 @@ def _init_carry(policy, num_nodes, num_keys, capacity, max_capacity):
   # [2n + 1] its key (see _leaf_step). The root is always cached.
   info = jnp.zeros((num_nodes, 2), i32).at[1:, 0].set(-1)
   s["info"] = info.reshape(-1)
-  s["bm"] = jnp.zeros((_bm_layout(num_keys)[1],), jnp.uint32)
+  s["bm"] = jnp.zeros((bitmap.layout(num_keys)[1],), jnp.uint32)
   if policy == "lru_leaf":
     s["held"] = i32(_NONE)  # the leaf kept out of the bitmap (see _leaf_step)
     s["held_key"] = i32(0)
@@ -508,7 +431,7 @@ def _leaf_step(s, policy, static, consts, ev):
   def reads():
     st_n, key_n, st_p, key_p = info_of([node, par])
     r = {"st_n": st_n, "key_n": key_n, "st_p": st_p, "key_p": key_p}
-    k1 = _bm_find(s["bm"], static, rightmost=not lru)
+    k1 = bitmap.find(s["bm"], static["bm_offsets"], rightmost=not lru)
     r["k1"] = k1
     # Each read costs an op per event (the barrier keeps unused ones).
     cols = 2 if lru else 3
@@ -524,7 +447,7 @@ def _leaf_step(s, policy, static, consts, ev):
     (r["st_vp1"], r["key_vp1"], r["st_vp2"], r["key_vp2"]) = info_of(
       [r["vp1"], r["vp2"]]
     )
-    r["words"] = _bm_words(s["bm"], static, lane_keys(r))
+    r["words"] = bitmap.words(s["bm"], static["bm_offsets"], lane_keys(r))
     return r
 
   (r,) = barrier(node, reads())
@@ -613,7 +536,9 @@ def _leaf_step(s, policy, static, consts, ev):
 
   sets = jnp.asarray([b for b, _ in lanes])
   dos = jnp.stack([d for _, d in lanes])
-  s["bm"] = _bm_update(s["bm"], static, keys, r["words"], sets, dos)
+  s["bm"] = bitmap.update(
+    s["bm"], static["bm_offsets"], keys, r["words"], sets, dos
+  )
   # Node state: inserted -1 -> 0 children, evicted leaf 0 -> -1, the
   # parents' child counts, and the touched node's key.
   s["info"] = scatter_add(
@@ -636,7 +561,7 @@ def _replay_one(
   num_nodes = consts[0].shape[0]
   carry = _init_carry(policy, num_nodes, num_keys, capacity, max_capacity)
   static = {
-    "bm_offsets": _bm_layout(num_keys)[0],
+    "bm_offsets": bitmap.layout(num_keys)[0],
     "never": num_keys - 1,
     "never_req": never_req,
   }

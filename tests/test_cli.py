@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from reference_models import sglang_radix
 
 from prefixjax import cli, demo, generate_workload, replay
 
@@ -171,9 +172,36 @@ def test_cli_debug_shows_the_exception(tmp_path):
     cli.main(["replay", "--trace", str(trace), "--debug"])
 
 
-def test_cli_replay_refuses_unimplemented_semantics(capsys):
-  assert cli.main(["replay", "--semantics", "sglang"]) == 2
-  assert "not implemented yet" in capsys.readouterr().err
+def test_cli_replay_sglang_semantics_equals_oracle(tmp_path, capsys, rng):
+  # A Mooncake-format trace, block 4: prefixes of three chains of ids.
+  rows = []
+  for _ in range(12):
+    chain = 100 * int(rng.integers(0, 3))
+    ids = list(range(chain, chain + int(rng.integers(1, 7))))
+    n = 4 * len(ids) - int(rng.integers(0, 4))
+    rows.append((ids, n, int(rng.integers(1, 9))))
+  trace = tmp_path / "mooncake.jsonl"
+  trace.write_text(
+    "".join(
+      json.dumps(
+        dict(timestamp=i, input_length=n, output_length=o, hash_ids=ids)
+      )
+      + "\n"
+      for i, (ids, n, o) in enumerate(rows)
+    )
+  )
+  out = tmp_path / "s.json"
+  argv = ["replay", "--trace", str(trace), "--semantics", "sglang"]
+  argv += ["--block-size", "4", "--warmup-fraction", "0"]
+  assert cli.main(argv + ["--capacity", "9", "30", "--json", str(out)]) == 0
+  points = json.loads(out.read_text())["points"]
+  for point, capacity in zip(points, (9, 30), strict=True):
+    radix = sglang_radix.SglangRadixCache(capacity, 4)
+    want = sum(radix.run_request_hashed(ids, n, o) for ids, n, o in rows)
+    assert point["policy"] == "lru_leaf"
+    assert point["hit_tokens"] == want, capacity
+  assert cli.main(argv + ["--capacity", "9", "--policy", "lru"]) == 2
+  assert "--policy lru_leaf" in capsys.readouterr().err
 
 
 def test_cli_replay_vllm_semantics_on_token_trace(tmp_path, capsys):

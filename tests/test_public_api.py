@@ -24,7 +24,13 @@ def test_all_is_sorted_and_resolves():
 
 @pytest.mark.parametrize(
   "module",
-  ["prefixjax", "prefixjax.paging", "prefixjax.workloads.synthetic"],
+  [
+    "prefixjax",
+    "prefixjax.paging",
+    "prefixjax.serving_replay",
+    "prefixjax.sglang_replay",
+    "prefixjax.workloads.synthetic",
+  ],
 )
 def test_docstring_examples_run(module):
   mod = importlib.import_module(module)

@@ -1,0 +1,683 @@
+"""Trace replay with SGLang ``RadixCache`` semantics, as one jitted scan.
+
+Each request, one at a time and in order, is served the way SGLang 0.5.23's
+paged ``RadixCache`` with LRU eviction serves a request alone (the rules, each
+with its source, are in ``tests/reference_models/sglang_radix.py``, whose
+default configuration this module reproduces hit for hit):
+
+1. ``match_prefix`` of the prompt, capped at ``(P - 1) // K`` pages; every
+   node walked gets the match's timestamp; a node the match ends inside is
+   split and its upper part gets a fresh, later timestamp. The matched path
+   is locked.
+2. Prefill allocation: evict whole least-recently-used unlocked leaf nodes
+   until ``(P - hit) + K`` tokens are free (``K`` = page size; ``P - hit``
+   when ``K == 1``), then take ``cdiv(P, K) - hit_pages`` pages.
+3. If the request decodes (``O >= 2``), checkpoint the full prompt pages:
+   insert them (walk, split, one new leaf node for the rest; pages that
+   duplicate tree pages are freed), match them again, move the lock.
+4. ``O - 1`` decode steps: each step whose start finds no free page evicts
+   one LRU leaf node (SGLang asks for ``K`` tokens every step); a page is
+   taken when a step starts a page.
+5. Finish: checkpoint every full page of the ``P + O - 1`` tokens with KV
+   (plus the refreshing re-insert of the prompt), free the partial last
+   page, unlock.
+
+Timestamps are a logical clock that ticks once per match, insert and node
+creation, exactly as the oracle's, since eviction order depends on them.
+Pages are keyed by their whole prefix: a token-id trace's page ``j`` is the
+trie node of its first ``(j + 1) * K`` tokens (prompt, then output tokens; a
+page holding output tokens the trace does not know gets a fresh key that
+never hits); a hash-id trace (Mooncake) keys its ``P // K`` full prompt pages
+by their chained ``hash_ids`` and gives every page filled during decode a
+fresh key. The replay reports hit tokens per request (``K`` times the hit
+pages of step 1).
+
+Data structures (``V`` = distinct pages + 1, the root being page 0; ``R`` =
+requests; ``M`` = most pages of one request; ``T`` = timestamps, at most
+``16 R``):
+
+* The radix tree is the set of cached pages, each page knowing its trie
+  parent and depth (constants). A radix node is a run of pages from a page
+  marked as a node start down to the next start or the leaf end; its
+  metadata lives at its start page: last-access time, length in pages,
+  child-node count, and ``rep``, a request whose page path holds the whole
+  node, so the node's pages are ``pages[rep, depth : depth + length]`` of the
+  constant ``[R, M]`` page table. So every tree verb works on one request
+  path: a match or insert is a few ``[M]``-wide gathers and one masked
+  scatter; a split marks one more start page and writes both parts'
+  metadata; evicting a node is one ``[M]``-wide scatter.
+* Lock counts are not stored: one request runs at a time and SGLang locks a
+  root path, so the locked nodes are the first ``lock`` pages of the running
+  request's path, and the only locked leaf can be the deepest of them.
+* The leaf nodes sit in a hierarchical bitmap keyed by their last-access
+  time (leaves never share one: a match or insert refreshes one root path,
+  on which only the deepest node is a leaf), with a ``[T]`` table from key
+  to node, so the LRU leaf is one word gather per level (3-4 levels), as in
+  :mod:`prefixjax.replay`. The locked leaf leaves the bitmap for the length
+  of an eviction loop.
+
+A request costs ``O(M)`` per tree verb (six of them) plus ``O(M)`` per node
+it evicts; nothing scans the pool, so the rate does not fall as ``V``
+grows. Every verb reads the state once, through
+:func:`prefixjax.paging.barrier`, and writes each array with one masked
+scatter, so XLA:CPU updates the arrays in place. The replay of one capacity
+is one jitted ``lax.scan`` over requests; ``_replay_one`` is pure and
+``jax.vmap``-s over capacities, but a vmapped eviction ``while_loop`` selects
+over the whole state on every iteration, so :func:`replay_sglang` runs the
+capacities one after another through one compiled program instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from prefixjax import bitmap
+from prefixjax.paging import barrier, gather, scatter
+from prefixjax.replay import ReplayPoint
+from prefixjax.workloads import Trace
+
+__all__ = ["SGLANG_POLICY", "replay_sglang"]
+
+SGLANG_POLICY = "lru_leaf"
+"""Policy name of the points :func:`replay_sglang` returns."""
+
+_NONE = -1
+
+
+def _cdiv(a, b):
+  return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """A trace as page paths on the host.
+
+  Attributes:
+    pages: ``[R, M]`` int32 page (trie node) of position ``j`` of request
+      ``r``'s KV (``j < (P + max(O, 1) - 1) // K``), ``-1`` past the end.
+    depth: ``[V]`` int32 position of every page in its paths (root: 0).
+    parent: ``[V]`` int32 trie parent of every page (root: 0).
+    prompt_lens: ``[R]`` int32 ``P``.
+    output_lens: ``[R]`` int32 ``max(O, 1)``.
+  """
+
+  pages: np.ndarray  # [R, M] int32
+  depth: np.ndarray  # [V] int32
+  parent: np.ndarray  # [V] int32
+  prompt_lens: np.ndarray  # [R] int32
+  output_lens: np.ndarray  # [R] int32
+
+  @property
+  def num_pages(self) -> int:
+    """``V``: distinct pages plus the root."""
+    return int(self.depth.shape[0])
+
+  @property
+  def max_pages(self) -> int:
+    """``M``: columns of the page table."""
+    return int(self.pages.shape[1])
+
+
+def _plan(trace: Trace, block_size: int) -> _Plan:
+  """Numbers every page of every request's KV by its whole prefix."""
+  prompt_lens = np.asarray(trace.input_lengths, np.int64)
+  output_lens = np.maximum(np.asarray(trace.output_lengths, np.int64), 1)
+  totals = prompt_lens + output_lens - 1
+  full = totals // block_size
+  max_pages = max(int(full.max()), 1)
+  if len(trace) * max_pages >= 2**31 or int(full.sum()) >= 2**31 - 1:
+    raise ValueError(
+      f"trace too large: {len(trace)} requests x {max_pages} pages overflow "
+      "int32 page ids"
+    )
+  pages = np.full((len(trace), max_pages), _NONE, np.int32)
+  ids: dict = {}
+  parent = [0]
+  depth = [0]
+  use_tokens = trace.has_token_ids
+  for r in range(len(trace)):
+    p, n = int(prompt_lens[r]), int(full[r])
+    if use_tokens:
+      seq = trace.input_token_ids[r]
+      if trace.output_token_ids is not None:
+        seq = np.concatenate([seq, trace.output_token_ids[r]])
+      known = seq.shape[0] // block_size  # pages of known tokens
+    else:
+      known = p // block_size
+      hashes = trace.hash_ids[r]
+    node = 0
+    for j in range(n):
+      if j < known:
+        if use_tokens:
+          key = seq[j * block_size : (j + 1) * block_size].tobytes()
+        else:
+          key = int(hashes[j])
+        new = ids.setdefault((node, key), len(parent))
+      else:  # a page filled by tokens the trace does not know: fresh
+        new = len(parent)
+      if new == len(parent):
+        parent.append(node)
+        depth.append(j)
+      pages[r, j] = node = new
+  return _Plan(
+    pages=pages,
+    depth=np.asarray(depth, np.int32),
+    parent=np.asarray(parent, np.int32),
+    prompt_lens=prompt_lens.astype(np.int32),
+    output_lens=output_lens.astype(np.int32),
+  )
+
+
+# ---------------------------------------------------------------------------
+# Device side. Dimension letters: V pages (page 0 = the root), M columns of
+# the page table, W bitmap words, T timestamps (keys).
+#
+# State of one capacity, a dict of:
+#   info  [V * 5] int32  per page, interleaved: _STATE (-1 not cached, 0
+#         cached, 1 cached and the start of a radix node), then, meaningful
+#         at node starts: _TIME (last access), _LENGTH (pages), _REP (a
+#         request whose path holds the node), _KIDS (child nodes)
+#   bm    [W] uint32     hierarchical bitmap of the timestamps of the leaf
+#         nodes (the root excluded)
+#   owner [T] int32      start page of the leaf node holding each set key
+#   clock, free          [] int32
+#
+# Leaves never share a timestamp, so a key names one leaf and the smallest
+# set key is the LRU leaf. Locks are not stored (see the module docstring):
+# around each eviction loop the deepest locked node, if a leaf, leaves the
+# bitmap and comes back after, and a parent it exposes as a leaf during the
+# loop is not added.
+#
+# Every verb reads what it needs from the state, passes all of it through one
+# ``barrier`` and writes each array with one masked scatter derived from the
+# barrier's outputs, so XLA:CPU updates the arrays in place (see
+# ``prefixjax.paging.barrier``) and no verb costs O(V).
+
+_FIELDS = 5
+_STATE, _TIME, _LENGTH, _REP, _KIDS = range(_FIELDS)
+_TICKS_PER_REQUEST = 16  # the six tree verbs of a request tick <= 15 times
+
+# Request verbs (one inner scan step each): kind, then what follows it.
+_ADMIT, _CKPT_INSERT, _CKPT_MATCH, _REFRESH = range(4)
+
+
+def _one(x, i, fill=_NONE):
+  return gather(x, jnp.asarray(i)[None], fill)[0]
+
+
+def _fields(info, page, fields):
+  """``[len(fields)]`` fields of one page (0s for page -1)."""
+  idx = page * _FIELDS + jnp.asarray(fields, jnp.int32)
+  return gather(info, jnp.where(page >= 0, idx, _NONE), 0)
+
+
+def _init(num_pages: int, num_keys: int, capacity):
+  info = np.zeros((num_pages, _FIELDS), np.int32)
+  info[:, _STATE] = -1
+  info[0, _STATE] = 1  # the root: cached, a node of its own
+  return {
+    "info": jnp.asarray(info.reshape(-1)),
+    "bm": jnp.zeros((bitmap.layout(num_keys)[1],), jnp.uint32),
+    "owner": jnp.full((num_keys,), _NONE, jnp.int32),
+    "clock": jnp.int32(0),
+    "free": capacity.astype(jnp.int32),
+  }
+
+
+def _tree_op(s, c, path, request, n, do, insert):
+  """``match_prefix`` (``_insert`` if ``insert``) of ``path[:n]`` where do.
+
+  Returns the new state and the number of leading pages already cached.
+  Nothing changes (not even the clock) where ``do`` is false.
+  """
+  i32 = jnp.int32
+  width = path.shape[0]
+  pos = jnp.arange(width, dtype=i32)
+  offsets = c["bm_offsets"]
+  tick = s["clock"] + 1
+
+  def reads():
+    state = gather(s["info"], path * _FIELDS + _STATE, _NONE)  # -1 pads
+    hit = jnp.argmin(jnp.append((state >= 0) & (pos < n), False).astype(i32))
+    hit = hit.astype(i32)
+    first = jnp.max(jnp.where((state == 1) & (pos < hit), pos, _NONE))
+    node = jnp.where(first >= 0, _one(path, first), 0)  # root if no hit
+    time_, length, rep, kids = _fields(
+      s["info"], node, [_TIME, _LENGTH, _REP, _KIDS]
+    )
+    split = do & (hit > 0) & (first + length > hit)
+    new = do & insert & (n > hit)
+    new_tick = tick + 1 + split.astype(i32)
+    keys = jnp.stack([time_, tick, new_tick])
+    r = dict(state=state, hit=hit, first=first, node=node, time=time_)
+    r.update(length=length, rep=rep, kids=kids, split=split, new=new)
+    r["lower"] = _one(c["table"], rep * width + hit)  # split's lower part
+    r["words"] = bitmap.words(s["bm"], offsets, keys)
+    r["keys"] = keys
+    return r
+
+  (r,) = barrier(request, reads())
+  hit, first, node, kids, split, new = (
+    r[k] for k in ("hit", "first", "node", "kids", "split", "new")
+  )
+  lower, length, rep = r["lower"], r["length"], r["rep"]
+  head = _one(path, hit)  # first page of the new leaf node
+  new_tick = r["keys"][2]
+  upper = hit - first  # pages of the split's upper part
+  s = dict(s)
+  ticks = 1 + split.astype(i32) + new.astype(i32)
+  s["clock"] = s["clock"] + jnp.where(do, ticks, 0)
+  # Every node walked gets ``tick``, a split's upper part ``tick + 1``.
+  walked = (r["state"] == 1) & (pos < hit) & do & ~(split & (pos == first))
+  fresh = new & (pos >= hit) & (pos < n)
+  lanes = [  # (page, field, value, mask)
+    (node, _TIME, tick + 1, split),
+    (node, _LENGTH, upper, split),
+    (node, _KIDS, jnp.where(split, 1, kids) + new.astype(i32), split | new),
+    (lower, _STATE, 1, split),
+    (lower, _TIME, tick, split),
+    (lower, _LENGTH, length - upper, split),
+    (lower, _REP, rep, split),
+    (lower, _KIDS, kids, split),
+    (head, _TIME, new_tick, new),
+    (head, _LENGTH, n - hit, new),
+    (head, _REP, request, new),
+    (head, _KIDS, 0, new),
+  ]
+  idx = jnp.stack([p * _FIELDS + f for p, f, _, _ in lanes])
+  values = jnp.stack([jnp.asarray(v, i32) for _, _, v, _ in lanes])
+  masks = jnp.stack([m for _, _, _, m in lanes])
+  s["info"] = scatter(
+    s["info"],
+    jnp.concatenate([path * _FIELDS + _TIME, path * _FIELDS + _STATE, idx]),
+    jnp.concatenate(
+      [
+        jnp.full((width,), tick, i32),
+        jnp.where(pos == hit, 1, 0).astype(i32),
+        values,
+      ]
+    ),
+    jnp.concatenate([walked, fresh, masks]),
+  )
+  # Leaves: the deepest walked node leaves the bitmap under its old time;
+  # it (or a split's lower part) comes back under ``tick`` unless the new
+  # node hangs below it; the new node is a leaf.
+  was_leaf = (node != 0) & (kids == 0)
+  stays = do & was_leaf & (split | ~new)
+  s["bm"] = bitmap.update(
+    s["bm"],
+    offsets,
+    r["keys"],
+    r["words"],
+    jnp.asarray([False, True, True]),
+    jnp.stack([do & was_leaf, stays, new]),
+  )
+  s["owner"] = scatter(
+    s["owner"],
+    r["keys"][1:],
+    jnp.stack([jnp.where(split, lower, node), head]),
+    jnp.stack([stays, new]),
+  )
+  return s, hit
+
+
+def _lock_node(s, path, lock):
+  """Start page of the deepest locked node (0, the root, if none)."""
+  pos = jnp.arange(path.shape[0], dtype=jnp.int32)
+  state = gather(s["info"], path * _FIELDS + _STATE, _NONE)
+  first = jnp.max(jnp.where((state == 1) & (pos < lock), pos, _NONE))
+  return jnp.where(first >= 0, _one(path, first), 0)
+
+
+def _hold(s, c, locked, anchor, put_back):
+  """Takes the locked node out of the bitmap if it is a leaf, or back."""
+  time_, kids = _fields(s["info"], locked, [_TIME, _KIDS])
+  leaf = (locked != 0) & (kids == 0)
+  words = bitmap.words(s["bm"], c["bm_offsets"], time_[None])
+  (time_, leaf, words) = barrier(anchor, time_, leaf, words)
+  s = dict(s)
+  s["bm"] = bitmap.update(
+    s["bm"],
+    c["bm_offsets"],
+    time_[None],
+    words,
+    jnp.asarray([put_back]),
+    leaf[None],
+  )
+  if put_back:
+    s["owner"] = scatter(s["owner"], time_[None], locked[None], leaf[None])
+  return s
+
+
+def _evict_one(s, c, locked, anchor):
+  """Evicts the LRU unlocked leaf node; returns the state and pages freed."""
+  i32 = jnp.int32
+  table = c["table"]
+  width = c["width"]
+  offsets = c["bm_offsets"]
+  pos = jnp.arange(width, dtype=i32)
+
+  def reads():
+    key = bitmap.find(s["bm"], offsets)
+    victim = _one(s["owner"], key)
+    length, rep = _fields(s["info"], victim, [_LENGTH, _REP])
+    top = _one(c["depth"], victim, 0)
+    rep_path = gather(table, rep * width + pos)
+    above = gather(s["info"], rep_path * _FIELDS + _STATE, _NONE)
+    first = jnp.max(jnp.where((above == 1) & (pos < top), pos, _NONE))
+    parent = jnp.where(first >= 0, _one(rep_path, first), 0)
+    p_time, p_kids = _fields(s["info"], parent, [_TIME, _KIDS])
+    keys = jnp.stack([key, p_time])
+    r = dict(key=key, victim=victim, length=length, top=top, parent=parent)
+    r.update(p_kids=p_kids, keys=keys, rep_row=rep * width)
+    r["words"] = bitmap.words(s["bm"], offsets, keys)
+    return r
+
+  (r,) = barrier(anchor, reads())
+  ok = r["key"] >= 0
+  parent = r["parent"]
+  pages = gather(table, r["rep_row"] + r["top"] + pos)
+  exposed = ok & (parent != 0) & (parent != locked) & (r["p_kids"] == 1)
+  s = dict(s)
+  s["info"] = scatter(
+    s["info"],
+    jnp.concatenate(
+      [pages * _FIELDS + _STATE, (parent * _FIELDS + _KIDS)[None]]
+    ),
+    jnp.concatenate([jnp.full((width,), _NONE, i32), (r["p_kids"] - 1)[None]]),
+    jnp.concatenate([ok & (pos < r["length"]), ok[None]]),
+  )
+  s["bm"] = bitmap.update(
+    s["bm"],
+    offsets,
+    r["keys"],
+    r["words"],
+    jnp.asarray([False, True]),
+    jnp.stack([ok, exposed]),
+  )
+  s["owner"] = scatter(s["owner"], r["keys"][1:], parent[None], exposed[None])
+  freed = jnp.where(ok, r["length"], 0)
+  s["free"] = s["free"] + freed
+  return s, freed, ok
+
+
+def _replay_one(consts, xs, capacity, *, block_size: int):
+  """Hit tokens, free pages after, broken invariant: ``[R]`` each."""
+  table, depth = consts
+  num_requests = xs[0].shape[0]
+  width = table.shape[0] // num_requests
+  num_keys = _TICKS_PER_REQUEST * num_requests + 2
+  c = {
+    "table": table,
+    "depth": depth,
+    "width": width,
+    "bm_offsets": bitmap.layout(num_keys)[0],
+  }
+  ps = block_size
+  i32 = jnp.int32
+  pos = jnp.arange(width, dtype=i32)
+
+  def evict(s, path, lock, anchor, go):
+    """Evicts LRU leaves while ``go(pages freed so far)``."""
+    locked = _lock_node(s, path, lock)
+    s = _hold(s, c, locked, anchor, put_back=False)
+
+    def body(carry):
+      s, count, _ = carry
+      s, freed, ok = _evict_one(s, c, locked, anchor + count)
+      return s, count + freed, ok
+
+    s, _, _ = jax.lax.while_loop(
+      lambda carry: carry[2] & go(carry[1]), body, (s, i32(0), jnp.bool_(True))
+    )
+    return _hold(s, c, locked, anchor, put_back=True)
+
+  def step(s, x):
+    r, p, o = x
+    total = p + o - 1
+    prompt_pages = p // ps
+    full_pages = total // ps
+    path = gather(table, r * width + pos)
+    takes = _cdiv(total, ps) - _cdiv(p, ps)  # pages taken while decoding
+    first_take = _cdiv(p, ps) * ps - p + 1  # the decode step of take 1
+    decodes = o >= 2
+    kinds = jnp.asarray(
+      [_ADMIT, _CKPT_INSERT, _CKPT_MATCH, _CKPT_INSERT, _REFRESH, _CKPT_MATCH]
+    )
+    ns = jnp.stack(
+      [(p - 1) // ps, prompt_pages, prompt_pages, full_pages]
+      + [prompt_pages, full_pages]
+    )
+    refresh = (prompt_pages > 0) & (prompt_pages < full_pages)
+    dos = jnp.stack([True, decodes, decodes, True, refresh, True])
+
+    def op(carry, args):
+      s, lock, private, hit, bad = carry
+      kind, n, do, index = args
+      insert = (kind == _CKPT_INSERT) | (kind == _REFRESH)
+      s, got = _tree_op(s, c, path, r, n, do, insert)
+      admit = kind == _ADMIT
+      hit = jnp.where(admit, got, hit)
+      # Checkpoint (``_insert_cache``): pages duplicating tree pages are
+      # freed, the rest move from the request to the tree.
+      ckpt = do & (kind == _CKPT_INSERT)
+      dup = got - lock
+      private = private - jnp.where(ckpt, dup + jnp.maximum(n - got, 0), 0)
+      s["free"] = s["free"] + jnp.where(ckpt, dup, 0)
+      bad = bad | (ckpt & (dup < 0))
+      rematch = do & (kind == _CKPT_MATCH)
+      bad = bad | (rematch & (got != n))
+      lock = jnp.where(admit, got, jnp.where(rematch, n, lock))
+      # Prefill: free ``(P - hit) + K`` tokens (``P - hit`` if K = 1).
+      need = _cdiv(p, ps) - hit
+      demand = (p - hit * ps) + ps if ps > 1 else need
+      target = _cdiv(jnp.maximum(demand - s["free"] * ps, 0), ps)
+      # Decode: a step that starts with no free page evicts one leaf; with
+      # ``f`` = free pages before decode plus pages evicted since, the
+      # next such step follows take number ``f`` (take 0: step 0).
+      free0 = s["free"]
+      decode = index == 2
+
+      def go(count):
+        f = free0 + count
+        step_f = jnp.where(f == 0, 0, first_take + (f - 1) * ps)
+        more = (f <= takes) & (step_f + 1 <= o - 1)
+        return jnp.where(admit, count < target, decode & more)
+
+      s = evict(s, path, lock, r * 8 + index, go)
+      taken = jnp.where(admit, need, jnp.where(decode, takes, 0))
+      s["free"] = s["free"] - taken
+      private = private + taken
+      bad = bad | (s["free"] < 0)
+      return (s, lock, private, hit, bad), None
+
+    zero = i32(0)
+    carry = (s, zero, zero, zero, jnp.bool_(False))
+    (s, _, private, hit, bad), _ = jax.lax.scan(
+      op, carry, (kinds, ns, dos, jnp.arange(6, dtype=i32))
+    )
+    # Finish: free the partial last page, unlock.
+    bad = bad | (private != (total % ps != 0).astype(i32))
+    s["free"] = s["free"] + private
+    return s, (hit * ps, s["free"], bad)
+
+  s = _init(depth.shape[0], num_keys, capacity)
+  _, out = jax.lax.scan(step, s, xs)
+  return out
+
+
+@functools.partial(jax.jit, static_argnames=("block_size",))
+def _run(consts, xs, capacity, *, block_size):
+  return _replay_one(consts, xs, capacity, block_size=block_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(num_requests, max_pages, num_pages, block_size):
+  """The compiled replay for these shapes (kept for repeated calls)."""
+  spec = jax.ShapeDtypeStruct
+  consts = (
+    spec((num_requests * max_pages,), jnp.int32),
+    spec((num_pages,), jnp.int32),
+  )
+  xs = tuple(spec((num_requests,), jnp.int32) for _ in range(3))
+  capacity = spec((), jnp.int32)
+  return _run.lower(consts, xs, capacity, block_size=block_size).compile()
+
+
+def _check(trace: Trace, block_size, capacities, warmup_fraction):
+  if not isinstance(trace, Trace):
+    raise TypeError(f"trace must be a Trace, got {type(trace).__name__}")
+  if isinstance(block_size, bool) or not isinstance(
+    block_size, int | np.integer
+  ):
+    raise TypeError(f"block_size={block_size!r} must be an int")
+  if block_size < 1:
+    raise ValueError(f"block_size={block_size} must be >= 1")
+  if not 0.0 <= warmup_fraction <= 1.0:
+    raise ValueError(f"warmup_fraction={warmup_fraction} must be in [0, 1]")
+  if len(trace) == 0:
+    raise ValueError(f"trace {trace.name!r} has no requests")
+  if not trace.has_token_ids:
+    if not trace.has_hash_ids:
+      raise ValueError(
+        f"trace {trace.name!r} has neither token ids nor hash ids: "
+        "SGLang-semantics replay needs page identities"
+      )
+    if trace.hash_block_size != block_size:
+      raise ValueError(
+        f"block_size={block_size} differs from the trace's hash block size "
+        f"{trace.hash_block_size}: hash ids name pages of that size only"
+      )
+  if (trace.input_lengths < 1).any():
+    bad = int(np.argmin(trace.input_lengths))
+    raise ValueError(
+      f"request {bad} has input_length={int(trace.input_lengths[bad])}; "
+      "SGLang needs a non-empty prompt"
+    )
+  capacities = list(capacities)
+  if not capacities:
+    raise ValueError("capacities must not be empty")
+  for capacity in capacities:
+    if isinstance(capacity, bool) or not isinstance(capacity, int | np.integer):
+      raise TypeError(f"capacity={capacity!r} must be an int")
+  totals = trace.input_lengths + np.maximum(trace.output_lengths, 1) - 1
+  need = int(_cdiv(int(totals.max()), block_size))
+  for capacity in capacities:
+    if capacity < need or capacity >= 2**31:
+      biggest = int(np.argmax(totals))
+      raise ValueError(
+        f"capacity={capacity} pages cannot hold the largest request "
+        f"(request {biggest}: {int(totals[biggest])} tokens with KV need "
+        f"{need} pages of {block_size} tokens)"
+        if capacity < need
+        else f"capacity={capacity} does not fit in int32"
+      )
+  return [int(c) for c in capacities]
+
+
+def _replay_arrays(trace, block_size, capacities, timings=None):
+  """``[C, R]`` hit tokens and free pages after each request.
+
+  Arguments are those :func:`_check` accepted.
+  """
+  plan = _plan(trace, block_size)
+  consts = (jnp.asarray(plan.pages.reshape(-1)), jnp.asarray(plan.depth))
+  xs = (
+    jnp.arange(len(trace), dtype=jnp.int32),
+    jnp.asarray(plan.prompt_lens),
+    jnp.asarray(plan.output_lens),
+  )
+  start = time.perf_counter()
+  compiled = _compiled(len(trace), plan.max_pages, plan.num_pages, block_size)
+  compile_s = time.perf_counter() - start
+  start = time.perf_counter()
+  outs = [compiled(consts, xs, jnp.int32(c)) for c in capacities]
+  hits, free, bad = (
+    np.stack(x) for x in zip(*jax.block_until_ready(outs), strict=True)
+  )
+  run_s = time.perf_counter() - start
+  if timings is not None:
+    timings["compile_s"] = timings.get("compile_s", 0.0) + compile_s
+    timings["run_s"] = timings.get("run_s", 0.0) + run_s
+  bad = np.asarray(bad)
+  if bad.any():
+    c, r = (int(i[0]) for i in np.nonzero(bad))
+    raise RuntimeError(
+      f"internal error: request {r} broke a pool invariant at capacity "
+      f"{capacities[c]}"
+    )
+  return np.asarray(hits, np.int64), np.asarray(free, np.int64)
+
+
+def replay_sglang(
+  trace: Trace,
+  *,
+  block_size: int,
+  capacities: Sequence[int],
+  warmup_fraction: float = 0.5,
+  timings: dict | None = None,
+) -> list[ReplayPoint]:
+  """Replays a trace with SGLang ``RadixCache`` semantics.
+
+  Requests run one at a time, in order, through a pool of ``capacity``
+  pages of ``block_size`` tokens holding the radix tree, the running
+  request's own pages and free pages (see the module docstring for every
+  rule). Hits equal those of ``tests/reference_models/sglang_radix.py``'s
+  ``SglangRadixCache(capacity, page_size=block_size)`` request for request.
+
+  Args:
+    trace: a token-id trace (generated workloads, token-id JSONL; output
+      token ids, when known, fill pages a later prompt can hit) or a
+      hash-id trace (Mooncake; ``block_size`` must be its hash block size).
+      Token ids are used when a trace has both.
+    block_size: tokens per page (SGLang's ``page_size``).
+    capacities: usable pages in the pool; each must hold the largest
+      request (``ceil((P + max(O, 1) - 1) / block_size)`` pages).
+    warmup_fraction: share of requests before hits are counted.
+    timings: if given, ``compile_s`` and ``run_s`` are added to it.
+
+  Returns:
+    One :class:`prefixjax.replay.ReplayPoint` per capacity, in order, with
+    policy ``"lru_leaf"`` (never underfilled).
+
+  Raises:
+    ValueError: no page identities, a hash block size other than
+      ``block_size``, an empty prompt, a bad size or fraction, or a
+      capacity too small for the largest request.
+    TypeError: a size that is not an int.
+
+  Example:
+    >>> import numpy as np
+    >>> from prefixjax.workloads import Trace
+    >>> trace = Trace([0.0, 1.0], [8, 9], [1, 1],
+    ...               hash_ids=[np.array([1, 2]), np.array([1, 2, 3])],
+    ...               hash_block_size=4)
+    >>> [p.per_request_hit_tokens.tolist() for p in replay_sglang(
+    ...     trace, block_size=4, capacities=[3, 8], warmup_fraction=0.0)]
+    [[0, 8], [0, 8]]
+  """
+  capacities = _check(trace, block_size, capacities, warmup_fraction)
+  hits, _ = _replay_arrays(trace, int(block_size), capacities, timings)
+  warmup = int(np.floor(len(trace) * warmup_fraction))
+  prompt_lens = np.asarray(trace.input_lengths, np.int64)
+  total_tokens = int(prompt_lens[warmup:].sum())
+  return [
+    ReplayPoint(
+      policy=SGLANG_POLICY,
+      capacity_blocks=capacity,
+      block_size=int(block_size),
+      hit_tokens=int(hits[c, warmup:].sum()),
+      total_tokens=total_tokens,
+      measured_requests=len(trace) - warmup,
+      underfilled=False,
+      per_request_hit_tokens=hits[c],
+    )
+    for c, capacity in enumerate(capacities)
+  ]
