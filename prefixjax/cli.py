@@ -209,7 +209,6 @@ def _cmd_replay(args) -> int:
 
   import jax
   import numpy as np
-  from tqdm import tqdm
 
   from prefixjax import replay as rp
   from prefixjax.workloads import default_workload, load_trace
@@ -262,13 +261,7 @@ def _cmd_replay(args) -> int:
     )
   timings: dict = {}
   points = []
-  bar = tqdm(
-    policies,
-    desc="policies",
-    unit="policy",
-    leave=False,
-    disable=not sys.stderr.isatty(),
-  )
+  bar = _progress(policies, "policies", "policy")
   for policy in bar:
     bar.set_postfix_str(policy)
     points += rp.replay(
@@ -293,7 +286,6 @@ SERVING = {
 def _replay_serving(args, trace, load_s) -> int:
   import jax
   import numpy as np
-  from tqdm import tqdm
 
   from prefixjax import serving_replay, sglang_replay
 
@@ -342,13 +334,7 @@ def _replay_serving(args, trace, load_s) -> int:
   )
   timings: dict = {}
   points = []
-  bar = tqdm(
-    capacities,
-    desc="capacities",
-    unit="capacity",
-    leave=False,
-    disable=not sys.stderr.isatty(),
-  )
+  bar = _progress(capacities, "capacities", "capacity")
   for capacity in bar:
     bar.set_postfix_str(f"{capacity:,} blocks")
     points += run(
@@ -359,6 +345,15 @@ def _replay_serving(args, trace, load_s) -> int:
       timings=timings,
     )
   return _report(args, trace, points, None, load_s, timings)
+
+
+def _progress(items, desc: str, unit: str):
+  """A progress bar over ``items`` on a terminal (none when piped)."""
+  from tqdm import tqdm
+
+  return tqdm(
+    items, desc=desc, unit=unit, leave=False, disable=not sys.stderr.isatty()
+  )
 
 
 def _report(args, trace, points, ceiling, load_s, timings) -> int:

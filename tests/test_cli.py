@@ -172,6 +172,19 @@ def test_cli_debug_shows_the_exception(tmp_path):
     cli.main(["replay", "--trace", str(trace), "--debug"])
 
 
+def _write_mooncake(path, rows):
+  """A Mooncake-format JSONL of ``(hash_ids, input_length, output_length)``."""
+  path.write_text(
+    "".join(
+      json.dumps(
+        dict(timestamp=i, input_length=n, output_length=o, hash_ids=ids)
+      )
+      + "\n"
+      for i, (ids, n, o) in enumerate(rows)
+    )
+  )
+
+
 def test_cli_replay_sglang_semantics_equals_oracle(tmp_path, capsys, rng):
   # A Mooncake-format trace, block 4: prefixes of three chains of ids.
   rows = []
@@ -181,15 +194,7 @@ def test_cli_replay_sglang_semantics_equals_oracle(tmp_path, capsys, rng):
     n = 4 * len(ids) - int(rng.integers(0, 4))
     rows.append((ids, n, int(rng.integers(1, 9))))
   trace = tmp_path / "mooncake.jsonl"
-  trace.write_text(
-    "".join(
-      json.dumps(
-        dict(timestamp=i, input_length=n, output_length=o, hash_ids=ids)
-      )
-      + "\n"
-      for i, (ids, n, o) in enumerate(rows)
-    )
-  )
+  _write_mooncake(trace, rows)
   out = tmp_path / "s.json"
   argv = ["replay", "--trace", str(trace), "--semantics", "sglang"]
   argv += ["--block-size", "4", "--warmup-fraction", "0"]
@@ -241,15 +246,7 @@ def test_cli_replay_vllm_semantics_on_mooncake_trace(tmp_path, capsys):
   # 3 blocks each (request 3's whole-block prompt recomputes its last).
   rows = [([1, 2, 3], 10, 7), ([1, 2, 3, 9], 13, 1), ([1, 2, 3, 4], 16, 1)]
   rows.append(rows[-1])
-  trace.write_text(
-    "".join(
-      json.dumps(
-        dict(timestamp=i, input_length=n, output_length=o, hash_ids=ids)
-      )
-      + "\n"
-      for i, (ids, n, o) in enumerate(rows)
-    )
-  )
+  _write_mooncake(trace, rows)
   out = tmp_path / "v.json"
   argv = ["replay", "--trace", str(trace), "--semantics", "vllm"]
   argv += ["--block-size", "4", "--warmup-fraction", "0"]
