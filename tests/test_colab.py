@@ -35,3 +35,4 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
       compile("".join(lines), f"{path.name} cell {number}", "exec"), namespace
     )
   assert (tmp_path / "hit_rates.png").stat().st_size > 10_000
+  assert (tmp_path / "semantics.png").stat().st_size > 10_000
