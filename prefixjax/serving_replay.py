@@ -40,6 +40,12 @@ The key matrix ``[R, M, 2]`` is built on the host (the ids are given); the
 whole replay is one jitted ``lax.scan`` over requests per capacity either
 way.
 
+Two engines give these hits. :func:`replay_vllm` runs the specialised one
+of :mod:`prefixjax.vllm_replay` (a few ``[M]``-wide steps per request, keys
+numbered exactly on the host, the free queue as an ordered set of release
+counters); the general-verb path described above stays as
+``_general_hits``, the reference the specialised engine is tested against.
+
 Dimensions: ``R`` requests, ``T`` padded tokens per request, ``K`` block
 size, ``M = T // K`` blocks per request (table columns).
 """
@@ -54,7 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from prefixjax import hashing, paging
+from prefixjax import hashing, paging, vllm_replay
 from prefixjax import prefix_cache as pc
 from prefixjax.replay import ReplayPoint
 from prefixjax.workloads import Trace
@@ -100,13 +106,6 @@ def _key_matrix(trace: Trace, block_size: int, totals: np.ndarray):
     [row[:n] for row, n in zip(trace.hash_ids, full, strict=True)]
     + [np.zeros(0, np.int64)]
   )
-  if ids.size and ids.min() < 0:
-    r = next(i for i, row in enumerate(trace.hash_ids) if (row < 0).any())
-    bad = int(trace.hash_ids[r][trace.hash_ids[r] < 0][0])
-    raise ValueError(
-      f"hash_ids[{r}] holds {bad}: hash ids must be in [0, 2**63) (bit 63 "
-      "would overlap the fresh-key tag)"
-    )
   keys = np.empty((num_requests, max_blocks, 2), np.uint32)
   keys[:, :, 0] = np.arange(num_requests, dtype=np.uint32)[:, None]
   keys[:, :, 1] = np.uint32(FRESH_TAG) | np.arange(max_blocks, dtype=np.uint32)
@@ -115,6 +114,34 @@ def _key_matrix(trace: Trace, block_size: int, totals: np.ndarray):
   cols = np.arange(ids.size) - np.repeat(starts, full)
   keys[rows, cols] = hashing.int64_to_lanes(ids)
   return keys
+
+
+def _check_hash_ids(trace: Trace, block_size: int) -> None:
+  """Refuses hash ids outside ``[0, 2**63)`` and ids repeated within one
+  request's full prompt blocks (chained ids name whole prefixes, so they
+  never repeat in a row; vLLM would hit one block twice)."""
+  full = np.asarray(trace.input_lengths, np.int64) // block_size
+  ids = np.concatenate(
+    [row[:n] for row, n in zip(trace.hash_ids, full, strict=True)]
+    + [np.zeros(0, np.int64)]
+  )
+  rows = np.repeat(np.arange(len(trace)), full)
+  if ids.size and ids.min() < 0:
+    at = int(np.argmax(ids < 0))
+    raise ValueError(
+      f"hash_ids[{int(rows[at])}] holds {int(ids[at])}: hash ids must be in "
+      "[0, 2**63) (bit 63 would overlap the fresh-key tag)"
+    )
+  order = np.lexsort((ids, rows))
+  rows, ids = rows[order], ids[order]
+  repeated = (rows[1:] == rows[:-1]) & (ids[1:] == ids[:-1])
+  if repeated.any():
+    at = int(np.argmax(repeated))
+    raise ValueError(
+      f"hash_ids[{int(rows[at])}] repeats id {int(ids[at])} within its full "
+      "prompt blocks: chained hash ids name whole prefixes, so one cannot "
+      "repeat within a request"
+    )
 
 
 def _serve(state: pc.PrefixCacheState, keys, prompt_len, total, publish):
@@ -180,11 +207,13 @@ def replay_vllm(
 
   Returns:
     One :class:`prefixjax.replay.ReplayPoint` per capacity, policy ``lru``.
+    The replay runs :mod:`prefixjax.vllm_replay`'s engine, compiled once for
+    all capacities (see the module docstring).
 
   Raises:
     ValueError: no token ids and no hash ids, a block size other than a
-      hash-id trace's, a negative hash id, a bad size, or a capacity too
-      small for the largest request.
+      hash-id trace's, a negative hash id or one repeated within a
+      request, a bad size, or a capacity too small for the largest request.
 
   Example:
     >>> import numpy as np
@@ -224,10 +253,7 @@ def replay_vllm(
     raise ValueError(f"publish={publish!r} is not one of {PUBLISH_MODES}")
   if len(trace) == 0:
     raise ValueError(f"trace {trace.name!r} has no requests")
-  prompt_lens = np.asarray(trace.input_lengths, np.int32)
-  totals = (
-    trace.input_lengths + np.maximum(trace.output_lengths, 1) - 1
-  ).astype(np.int32)
+  totals = trace.input_lengths + np.maximum(trace.output_lengths, 1) - 1
   need = int(-(-int(totals.max()) // block_size))
   for capacity in capacities:
     if capacity < need:
@@ -235,16 +261,50 @@ def replay_vllm(
         f"capacity={capacity} blocks cannot hold the largest request "
         f"({need} blocks of {block_size} tokens)"
       )
+  if not from_tokens:
+    _check_hash_ids(trace, block_size)
+  capacities = [int(c) for c in capacities]
+  hits = vllm_replay.replay_hits(trace, block_size, capacities, timings)
+  warmup = int(np.floor(len(trace) * warmup_fraction))
+  total_tokens = int(np.asarray(trace.input_lengths, np.int64)[warmup:].sum())
+  return [
+    ReplayPoint(
+      policy="lru",
+      capacity_blocks=capacity,
+      block_size=block_size,
+      hit_tokens=int(row[warmup:].sum()),
+      total_tokens=total_tokens,
+      measured_requests=len(trace) - warmup,
+      underfilled=False,
+      per_request_hit_tokens=row,
+    )
+    for capacity, row in zip(capacities, hits, strict=True)
+  ]
+
+
+def _general_hits(
+  trace: Trace,
+  block_size: int,
+  capacities: Sequence[int],
+  publish: str = "early",
+  timings: dict | None = None,
+) -> list[np.ndarray]:
+  """``[R]`` int64 hit tokens per capacity through the general
+  prefix-cache verbs, for arguments :func:`replay_vllm` accepts (the
+  reference for :mod:`prefixjax.vllm_replay`)."""
+  from_tokens = trace.has_token_ids
+  prompt_lens = np.asarray(trace.input_lengths, np.int32)
+  totals = (
+    trace.input_lengths + np.maximum(trace.output_lengths, 1) - 1
+  ).astype(np.int32)
   if from_tokens:
     run, blocks = _run_tokens, _token_matrix(trace, block_size, totals)
     max_blocks = blocks.shape[1] // block_size
   else:
     run, blocks = _run_keys, _key_matrix(trace, block_size, totals)
     max_blocks = blocks.shape[1]
-  warmup = int(np.floor(len(trace) * warmup_fraction))
-  total_tokens = int(prompt_lens[warmup:].astype(np.int64).sum())
   args = (jnp.asarray(blocks), jnp.asarray(prompt_lens), jnp.asarray(totals))
-  points = []
+  result = []
   for capacity in capacities:
     state = pc.init(
       int(capacity) + 1, block_size, max_seqs=1, max_blocks_per_seq=max_blocks
@@ -265,17 +325,5 @@ def replay_vllm(
         f"request {bad} was refused ({paging.status_name(status[bad])}) "
         f"with capacity {capacity}"
       )
-    hits = np.asarray(hits, np.int64)
-    points.append(
-      ReplayPoint(
-        policy="lru",
-        capacity_blocks=int(capacity),
-        block_size=block_size,
-        hit_tokens=int(hits[warmup:].sum()),
-        total_tokens=total_tokens,
-        measured_requests=len(trace) - warmup,
-        underfilled=False,
-        per_request_hit_tokens=hits,
-      )
-    )
-  return points
+    result.append(np.asarray(hits, np.int64))
+  return result

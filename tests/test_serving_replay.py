@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from reference_models import shared_trace, shared_traces_dir, vllm_apc
 
+from prefixjax import serving_replay, vllm_replay
 from prefixjax.serving_replay import replay_vllm
 from prefixjax.workloads import Trace, generate_workload, load_mooncake
 
@@ -238,3 +239,64 @@ def test_early_publishing_lets_an_overlapping_request_share():
     s, second = pc.allocate_with_prefix(s, 1, keys, 14)
     hits[mode] = int(second.hit_tokens)
   assert hits == {"early": 12, "late": 0}
+
+
+def test_duplicate_key_becomes_findable_when_the_first_is_evicted():
+  """K = 4, 3 blocks. Request 1 re-sends request 0's whole-block prompt: it
+  hits block 0 only (the cap) and publishes key 2 again on a fresh block,
+  a duplicate. Request 2 pops the first carrier of key 2, so request 3
+  finds the duplicate and hits both blocks."""
+  ids = [[1, 2], [1, 2], [9], [1, 2, 5]]
+  trace = _hashed(ids, [8, 8, 4, 12], [1, 1, 1, 1], block_size=4)
+  (point,) = replay_vllm(
+    trace, block_size=4, capacities=[3], warmup_fraction=0.0
+  )
+  assert point.per_request_hit_tokens.tolist() == [0, 4, 0, 8]
+  assert _oracle_hits_hashed(trace, 4, 3) == [0, 4, 0, 8]
+
+
+def test_refuses_a_hash_id_repeated_within_a_request():
+  trace = _hashed([[1, 2], [3, 4, 3]], [8, 12], [1, 1], block_size=4)
+  with pytest.raises(ValueError, match=r"hash_ids\[1\] repeats id 3"):
+    replay_vllm(trace, block_size=4, capacities=[16])
+  # A repeat in the partial last block is never a key: accepted.
+  ok = _hashed([[1, 2], [3, 4, 3]], [8, 11], [1, 1], block_size=4)
+  replay_vllm(ok, block_size=4, capacities=[16])
+
+
+@pytest.mark.parametrize("kind", ["multi_turn", "system_prompt", "hashed"])
+def test_engine_equals_general_verbs(kind, rng):
+  """The specialised engine against the general prefix-cache verbs (either
+  publish mode) on random traces, a tight pool and a roomy one."""
+  if kind == "hashed":
+    block_size = int(rng.choice([1, 2, 4]))
+    trace = _random_hashed_trace(rng, 120, block_size, wide_ids=False)
+  else:
+    block_size = int(rng.choice([4, 8]))
+    trace = generate_workload(
+      kind, num_requests=50, seed=int(rng.integers(0, 2**31))
+    )
+  held = trace.input_lengths + np.maximum(trace.output_lengths, 1) - 1
+  need = -(-int(held.max()) // block_size)
+  capacities = [need + int(rng.integers(0, 4)), 2 * need]
+  publish = str(rng.choice(serving_replay.PUBLISH_MODES))
+  fast = vllm_replay.replay_hits(trace, block_size, capacities)
+  general = serving_replay._general_hits(
+    trace, block_size, capacities, publish=publish
+  )
+  for capacity, a, b in zip(capacities, fast, general, strict=True):
+    assert a.tolist() == b.tolist(), capacity
+
+
+def test_tight_pool_stress_matches_vllm_oracle(rng):
+  """Many requests through pools barely larger than the largest request:
+  every request evicts, orphaned suffix blocks and duplicate keys abound."""
+  block_size = int(rng.choice([1, 2, 3]))
+  trace = _random_hashed_trace(rng, 400, block_size, wide_ids=True)
+  held = trace.input_lengths + np.maximum(trace.output_lengths, 1) - 1
+  need = -(-int(held.max()) // block_size)
+  capacities = [need, need + 1, need + 5, 2 * need]
+  hits = vllm_replay.replay_hits(trace, block_size, capacities)
+  for capacity, got in zip(capacities, hits, strict=True):
+    want = _oracle_hits_hashed(trace, block_size, capacity)
+    assert got.tolist() == want, capacity

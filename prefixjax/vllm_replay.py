@@ -1,0 +1,382 @@
+"""vLLM-semantics replay, one request at a time, in a few wide steps each.
+
+The engine behind :func:`prefixjax.serving_replay.replay_vllm`. The general
+prefix-cache verbs (``serving_replay._general_hits``, kept as its reference)
+walk the free queue and the index block by block; with one request at a
+time the state has a simpler shape, which this engine exploits. Its hits
+equal the verbs' (and the vLLM v1 oracle's,
+``tests/reference_models/vllm_apc.py`` with ``free_order="append"``) request
+for request. The rules, per request of ``P`` prompt tokens and ``O`` outputs
+(``B = ceil((P + max(O, 1) - 1) / K)`` blocks with KV, ``F`` of them full):
+
+1. Hits: the longest run of cached keys from block 0, at most
+   ``(P - 1) // K`` blocks; a key's block is the earliest-published block
+   that still carries it.
+2. The hit blocks leave the free queue; ``B - hits`` blocks are popped from
+   its head, in order, into table columns ``hits .. B - 1``, and drop the
+   keys they carried.
+3. Columns ``hits .. F - 1`` are published under their keys, in column
+   order (a key may then be carried by several blocks).
+4. Release: the ``B`` blocks go to the queue tail, column ``B - 1`` first.
+
+Prefill, decode and the ``publish`` mode interleave steps 2 and 3
+differently, but a pop never takes a block of the running request, so the
+outcome is the same.
+
+Data structures (all fixed-size, built on the host from the trace):
+
+* Keys are dense ids ``0 .. V - 1`` (``-1``: a key no block can ever hit, a
+  hash-id trace's fresh key), found on the host: a token block's key is its
+  content and its parent's key (the exact relation vLLM's chained hash
+  approximates), a hash-id block's key its trace id.
+* Publish slots: every full block ``(r, j)`` of the trace owns slot
+  ``off_r + j`` (``E`` slots, in publish order). A slot is *live* while the
+  block published there still carries the key. ``next_slot`` (a constant)
+  chains the slots of one key in order, so a key's block is the block of its
+  first live slot before the running request's; ``first_live[v]`` points at
+  or before it (every slot before it is dead for good, so lookups skip and
+  compress the dead ones: each slot is skipped once over the whole replay).
+* The free queue is an ordered set of queue keys ``0 .. Q - 1``: blocks
+  start on keys ``0 .. C - 1`` in id order and a release gives its ``B``
+  blocks the next ``B`` keys, so keys only grow at the tail and the head is
+  the smallest live key. ``queue_block[k]`` is the block on key ``k`` (or
+  -1: touched since), ``queue_key[b]`` a block's key, ``head`` the smallest
+  key not yet popped. Popping takes the first ``B - hits`` live keys from
+  ``head`` with one ``[W]``-wide window per iteration; a touched key is
+  skipped once, so a request rarely needs a second window.
+
+Per request: one lookup walk (on the Mooncake trace 0.04 to 0.4
+iterations on average), one pop window (rarely two) and six scatters, each
+``[M]`` or ``[W]`` wide; nothing depends on the pool size. Every read that
+decides a scatter comes out of a while loop (the walk, the pop windows or
+:func:`prefixjax.paging.barrier`, which XLA never fuses into their
+consumers), so XLA:CPU updates every array in place. All capacities share
+one compiled program: arrays are sized for the largest, the capacity is a
+run-time scalar.
+
+Dimensions: ``R`` requests, ``M`` table columns, ``V`` keys, ``E`` slots,
+``N`` blocks (with the null block), ``Q`` queue keys, ``W`` window lanes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from prefixjax.paging import barrier, gather, scatter
+from prefixjax.workloads import Trace
+
+__all__ = ["replay_hits"]
+
+_NONE = -1
+_WIDTH = 128  # most lanes of one pop window
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """A trace as dense block keys and publish slots.
+
+  Attributes:
+    keys: ``[R, M]`` int32 key of full block ``j`` of request ``r``; -1 for
+      fresh keys and past the full blocks.
+    next_slot: ``[E]`` int32 next slot of the same key, ``E`` if none.
+    first_slot: ``[V]`` int32 first slot of each key.
+    prompt_lens: ``[R]`` int32 ``P``.
+    num_blocks: ``[R]`` int32 ``B``, blocks with KV.
+    num_full: ``[R]`` int32 ``F``, full blocks with KV.
+    offsets: ``[R]`` int32 slot of block 0 of each request.
+  """
+
+  keys: np.ndarray  # [R, M] int32
+  next_slot: np.ndarray  # [E] int32
+  first_slot: np.ndarray  # [V] int32
+  prompt_lens: np.ndarray  # [R] int32
+  num_blocks: np.ndarray  # [R] int32
+  num_full: np.ndarray  # [R] int32
+  offsets: np.ndarray  # [R] int32
+
+
+def _token_keys(trace: Trace, block_size: int, totals: np.ndarray):
+  """Dense keys of the full blocks of every request's tokens with KV
+  (prompt, then outputs; unknown outputs are ``-1 - r``)."""
+  ids: dict = {}
+  rows = []
+  outputs = trace.output_token_ids
+  for r in range(len(trace)):
+    prompt = np.asarray(trace.input_token_ids[r], np.int32)
+    out_len = int(totals[r]) - len(prompt)
+    if outputs is not None and len(outputs[r]) >= out_len:
+      out = np.asarray(outputs[r][:out_len], np.int32)
+    else:
+      out = np.full(out_len, -1 - r, np.int32)
+    tokens = np.concatenate([prompt, out])
+    row, parent = [], _NONE
+    for j in range(int(totals[r]) // block_size):
+      block = tokens[j * block_size : (j + 1) * block_size].tobytes()
+      parent = ids.setdefault((parent, block), len(ids))
+      row.append(parent)
+    rows.append(np.asarray(row, np.int64))
+  return rows
+
+
+def _hash_keys(trace: Trace, block_size: int, totals: np.ndarray):
+  """Dense keys of the full prompt blocks' trace ids, -1 (fresh) after."""
+  full = np.asarray(trace.input_lengths, np.int64) // block_size
+  ids = np.concatenate(
+    [row[:n] for row, n in zip(trace.hash_ids, full, strict=True)]
+    + [np.zeros(0, np.int64)]
+  )
+  _, dense = np.unique(ids, return_inverse=True)
+  ends = np.cumsum(full)
+  rows = []
+  for r in range(len(trace)):
+    row = np.full(int(totals[r]) // block_size, _NONE, np.int64)
+    row[: full[r]] = dense[ends[r] - full[r] : ends[r]]
+    rows.append(row)
+  return rows
+
+
+def _plan(trace: Trace, block_size: int, totals: np.ndarray) -> _Plan:
+  """Keys and slots of a trace the caller has validated."""
+  if trace.has_token_ids:
+    rows = _token_keys(trace, block_size, totals)
+  else:
+    rows = _hash_keys(trace, block_size, totals)
+  num_full = (totals // block_size).astype(np.int64)
+  num_blocks = -(-totals.astype(np.int64) // block_size)
+  num_slots = int(num_full.sum())
+  width = max(int(num_blocks.max()), 1)
+  if num_slots >= 2**31 - 1 or len(trace) * width >= 2**31:
+    raise ValueError(
+      f"trace too large: {len(trace)} requests x {width} blocks overflow "
+      "int32 slot ids"
+    )
+  keys = np.full((len(trace), width), _NONE, np.int32)
+  for r, row in enumerate(rows):
+    keys[r, : len(row)] = row
+  flat = np.concatenate(rows + [np.zeros(0, np.int64)])
+  num_keys = int(flat.max()) + 1 if flat.size else 0
+  # Slots of one key in publish order, chained: sort slots by (key, slot).
+  slots = np.flatnonzero(flat >= 0)
+  order = slots[np.argsort(flat[slots], kind="stable")]
+  next_slot = np.full(num_slots, num_slots, np.int64)
+  same = flat[order[1:]] == flat[order[:-1]]
+  next_slot[order[:-1][same]] = order[1:][same]
+  first_slot = np.full(max(num_keys, 1), num_slots, np.int64)
+  starts = np.concatenate([[True], ~same]) if order.size else np.zeros(0, bool)
+  first_slot[flat[order[starts]]] = order[starts]
+  return _Plan(
+    keys=keys,
+    next_slot=next_slot.astype(np.int32),
+    first_slot=first_slot.astype(np.int32),
+    prompt_lens=np.asarray(trace.input_lengths, np.int32),
+    num_blocks=num_blocks.astype(np.int32),
+    num_full=num_full.astype(np.int32),
+    offsets=(np.cumsum(num_full) - num_full).astype(np.int32),
+  )
+
+
+# ---------------------------------------------------------------------------
+# Device side. State of one capacity, a dict of:
+#   first_live   [V] int32  per key, a slot at or before its first live one
+#   slot_block   [E] int32  block published in each slot (-1: never)
+#   block_slot   [N] int32  slot of the key each block carries (-1: none)
+#   queue_block  [Q] int32  block on each queue key (-1: none or touched)
+#   queue_key    [N] int32  queue key of each block (-1: the null block)
+#   head         []  int32  smallest queue key not yet popped
+#   tail         []  int32  next queue key a release hands out
+
+
+def _init(first_slot, num_slots, num_blocks, num_queue_keys, capacity):
+  blocks = jnp.arange(num_blocks, dtype=jnp.int32)
+  queue = jnp.arange(num_queue_keys, dtype=jnp.int32)
+  usable = (blocks >= 1) & (blocks <= capacity)
+  return {
+    "first_live": first_slot,
+    "slot_block": jnp.full((num_slots,), _NONE, jnp.int32),
+    "block_slot": jnp.full((num_blocks,), _NONE, jnp.int32),
+    "queue_block": jnp.where(queue < capacity, queue + 1, _NONE),
+    "queue_key": jnp.where(usable, blocks - 1, _NONE),
+    "head": jnp.int32(0),
+    "tail": capacity,
+  }
+
+
+def _lookup(s, next_slot, keys, limit, offset):
+  """``[M]`` first live slot and its block for each key looked up.
+
+  Lanes with ``limit`` false, or whose key has no live slot before
+  ``offset`` (the running request's first), get a slot ``>= offset`` or
+  their starting slot, and ``found`` false.
+  """
+  num_slots = next_slot.shape[0]
+
+  def probe(slot):
+    block = gather(s["slot_block"], slot, _NONE)
+    live = (slot < offset) & (gather(s["block_slot"], block, _NONE) == slot)
+    return block, live, limit & (slot < offset) & ~live
+
+  slot = gather(s["first_live"], keys, num_slots)
+  block, live, go = probe(slot)
+
+  def body(carry):
+    slot, _, _, go = carry
+    slot = jnp.where(go, gather(next_slot, slot, num_slots), slot)
+    return (slot, *probe(slot))
+
+  slot, block, live, _ = jax.lax.while_loop(
+    lambda carry: jnp.any(carry[3]), body, (slot, block, live, go)
+  )
+  return slot, block, limit & live
+
+
+def _pop(queue_block, head, count, num_lanes: int, width: int):
+  """The first ``count`` live queue keys from ``head``.
+
+  Returns ``[M]`` their blocks in queue order (-1 past ``count``), the new
+  head, and whether all were found (they are unless an invariant broke).
+  """
+  lanes = jnp.arange(width, dtype=jnp.int32)
+  limit = queue_block.shape[0]
+
+  def body(carry):
+    start, taken, blocks, new_head = carry
+    keys = start + lanes
+    block = gather(queue_block, keys, _NONE)
+    live = block >= 0
+    rank = taken + jnp.cumsum(live.astype(jnp.int32)) - 1
+    take = live & (rank < count)
+    blocks = scatter(blocks, rank, block, take)
+    last = jnp.max(jnp.where(take, keys, _NONE))
+    new_head = jnp.where(last >= 0, last + 1, new_head)
+    taken = taken + jnp.sum(take.astype(jnp.int32))
+    return start + width, taken, blocks, new_head
+
+  _, taken, blocks, new_head = jax.lax.while_loop(
+    lambda carry: (carry[1] < count) & (carry[0] < limit),
+    body,
+    (head, jnp.int32(0), jnp.full((num_lanes,), _NONE, jnp.int32), head),
+  )
+  return blocks, new_head, taken == count
+
+
+def _step(next_slot, s, x, *, block_size: int, width: int):
+  """Serves one request alone; returns the state, its hit blocks and
+  whether it broke an invariant."""
+  keys, prompt_len, num_blocks, num_full, offset = x
+  cols = jnp.arange(keys.shape[0], dtype=jnp.int32)
+  limit = (cols < (prompt_len - 1) // block_size) & (keys >= 0)
+  slot, block, found = _lookup(s, next_slot, keys, limit, offset)
+  hits = jnp.argmin(jnp.append(found, False)).astype(jnp.int32)
+  hit = cols < hits
+  s = dict(s)
+  # Touch: the hit blocks leave the free queue.
+  (touched,) = barrier(
+    offset, gather(s["queue_key"], jnp.where(hit, block, _NONE), _NONE)
+  )
+  s["queue_block"] = scatter(
+    s["queue_block"], touched, jnp.full_like(cols, _NONE), hit
+  )
+  popped, head, ok = _pop(
+    s["queue_block"], s["head"], num_blocks - hits, keys.shape[0], width
+  )
+  table = jnp.where(hit, block, gather(popped, cols - hits, _NONE))
+  used = cols < num_blocks
+  fresh = used & ~hit
+  publish = fresh & (cols < num_full) & (keys >= 0)
+  slots = offset + cols
+  s["slot_block"] = scatter(s["slot_block"], slots, table, publish)
+  s["block_slot"] = scatter(
+    s["block_slot"], table, jnp.where(publish, slots, _NONE), fresh
+  )
+  # Release to the tail, the last column first.
+  queue_keys = s["tail"] + num_blocks - 1 - cols
+  s["queue_block"] = scatter(s["queue_block"], queue_keys, table, used)
+  s["queue_key"] = scatter(s["queue_key"], table, queue_keys, used)
+  s["first_live"] = scatter(s["first_live"], keys, slot, limit)
+  s["head"] = head
+  s["tail"] = s["tail"] + num_blocks
+  return s, (hits, ~ok)
+
+
+@functools.partial(
+  jax.jit,
+  static_argnames=("block_size", "num_blocks", "num_queue_keys", "width"),
+)
+def _run(
+  consts, xs, capacity, *, block_size, num_blocks, num_queue_keys, width
+):
+  """``[R]`` hit blocks and broken-invariant flags of one capacity."""
+  first_slot, next_slot = consts
+  s = _init(
+    first_slot, next_slot.shape[0], num_blocks, num_queue_keys, capacity
+  )
+  step = functools.partial(_step, next_slot, block_size=block_size, width=width)
+  _, out = jax.lax.scan(step, s, xs)
+  return out
+
+
+def replay_hits(
+  trace: Trace,
+  block_size: int,
+  capacities,
+  timings: dict | None = None,
+  width: int | None = None,
+) -> list[np.ndarray]:
+  """``[R]`` int64 hit tokens per capacity, for arguments
+  :func:`prefixjax.serving_replay.replay_vllm` has validated."""
+  capacities = [int(c) for c in capacities]
+  if not capacities:
+    return []
+  prompt_lens = np.asarray(trace.input_lengths, np.int64)
+  totals = prompt_lens + np.maximum(trace.output_lengths, 1) - 1
+  plan = _plan(trace, block_size, totals)
+  largest = max(capacities)
+  num_queue_keys = largest + int(plan.num_blocks.astype(np.int64).sum())
+  if num_queue_keys >= 2**31 - 1:
+    raise ValueError(
+      f"capacity {largest} plus {num_queue_keys - largest} blocks over the "
+      "trace overflow int32 queue keys"
+    )
+  max_blocks = plan.keys.shape[1]
+  if width is None:  # one window per request, mostly (2 * M is no faster)
+    width = min(_WIDTH, 1 << max(max_blocks - 1, 31).bit_length())
+  consts = (jnp.asarray(plan.first_slot), jnp.asarray(plan.next_slot))
+  xs = (
+    jnp.asarray(plan.keys),
+    jnp.asarray(plan.prompt_lens),
+    jnp.asarray(plan.num_blocks),
+    jnp.asarray(plan.num_full),
+    jnp.asarray(plan.offsets),
+  )
+  static = dict(
+    block_size=block_size,
+    num_blocks=largest + 1,
+    num_queue_keys=num_queue_keys,
+    width=width,
+  )
+  start = time.perf_counter()
+  compiled = _run.lower(consts, xs, jnp.int32(largest), **static).compile()
+  compile_s = time.perf_counter() - start
+  start = time.perf_counter()
+  outs = [compiled(consts, xs, jnp.int32(c)) for c in capacities]
+  outs = jax.block_until_ready(outs)
+  run_s = time.perf_counter() - start
+  if timings is not None:
+    timings["compile_s"] = timings.get("compile_s", 0.0) + compile_s
+    timings["run_s"] = timings.get("run_s", 0.0) + run_s
+  result = []
+  for capacity, (hits, bad) in zip(capacities, outs, strict=True):
+    bad = np.asarray(bad)
+    if bad.any():
+      raise RuntimeError(
+        f"internal error: request {int(np.flatnonzero(bad)[0])} found the "
+        f"free queue short at capacity {capacity}"
+      )
+    result.append(np.asarray(hits, np.int64) * block_size)
+  return result
