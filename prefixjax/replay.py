@@ -633,6 +633,7 @@ def replay(
   policy: str,
   capacities: Sequence[int],
   timings: dict | None = None,
+  engine: str = "auto",
 ) -> list[ReplayPoint]:
   """Replays ``plan`` at every capacity in one vmapped program.
 
@@ -641,6 +642,10 @@ def replay(
     policy: one of :data:`REPLAY_POLICIES`.
     capacities: cache sizes in blocks (>= 0).
     timings: if given, ``compile_s`` and ``run_s`` are added to it.
+    engine: ``"event"`` (this module: one scan step per block event),
+      ``"request"`` (:mod:`prefixjax.replay_fast`: a request's blocks per
+      step, for the policies in its ``FAST_POLICIES``) or ``"auto"`` (the
+      request engine where it serves the policy). Both give equal hits.
 
   Returns:
     One :class:`ReplayPoint` per capacity, in order.
@@ -655,6 +660,16 @@ def replay(
   """
   if policy not in REPLAY_POLICIES:
     raise ValueError(f"policy={policy!r} is not one of {REPLAY_POLICIES}")
+  if engine not in ("auto", "event", "request"):
+    raise ValueError(f"engine={engine!r} is not 'auto', 'event' or 'request'")
+  from prefixjax import replay_fast  # it imports this module
+
+  if engine == "request" or (
+    engine == "auto" and policy in replay_fast.FAST_POLICIES
+  ):
+    return replay_fast.replay_fast(
+      plan, policy=policy, capacities=capacities, timings=timings
+    )
   capacities = [int(c) for c in capacities]
   if not capacities:
     raise ValueError("capacities must not be empty")

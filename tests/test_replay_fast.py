@@ -1,0 +1,147 @@
+"""The per-request replay engine against the per-event one and the model.
+
+``prefixjax.replay_fast.replay_fast`` must give the same points as
+``prefixjax.replay.replay`` (and so as the plain-Python model of
+kvcache-simulator, ``tests/reference_models/kvcache_sim.py``), request for
+request, on random hash-id traces with heavy sharing and tight capacities,
+with requests cut into chunks of several widths, and on the published
+Mooncake points.
+"""
+
+from __future__ import annotations
+
+import pytest
+from reference_models import kvcache_sim, shared_trace, shared_traces_dir
+
+from prefixjax import replay as rp
+from prefixjax.replay_fast import FAST_POLICIES, replay_fast
+from prefixjax.workloads import load_mooncake
+
+MOONCAKE = "mooncake_conversation_trace.jsonl"
+PUBLISHED = {  # capacity: (fifo, lru_leaf, belady_leaf) hit tokens
+  1827: (3_602_280, 3_704_049, 17_434_225),
+  9139: (12_102_727, 13_865_669, 27_038_068),
+  18279: (17_387_598, 19_962_647, 27_038_068),
+  36558: (22_099_608, 24_900_024, 27_038_068),
+}
+
+
+def _random_trace(rng, num_requests, block_size):
+  """Heavy sharing: a few prefixes, random tails, long and empty requests."""
+  prefixes = [
+    rng.integers(0, 6, size=rng.integers(1, 9)).tolist() for _ in range(4)
+  ]
+  hash_ids, lengths = [], []
+  for _ in range(num_requests):
+    ids = (
+      prefixes[rng.integers(0, len(prefixes))]
+      + rng.integers(0, 6, size=rng.integers(0, 7)).tolist()
+    )
+    if rng.random() < 0.05:
+      ids = []  # dropped by the simulator's parser
+    hash_ids.append(ids)
+    lengths.append(
+      max(len(ids) * block_size - int(rng.integers(0, block_size)), 1)
+    )
+  return hash_ids, lengths
+
+
+def _same(got, want, where):
+  assert len(got) == len(want), where
+  for g, w in zip(got, want, strict=True):
+    at = f"{where} capacity {w.capacity_blocks}"
+    assert g.capacity_blocks == w.capacity_blocks, at
+    assert (
+      g.per_request_hit_tokens.tolist() == w.per_request_hit_tokens.tolist()
+    ), at
+    assert g.hit_tokens == w.hit_tokens, at
+    assert g.underfilled == w.underfilled, at
+    assert g.total_tokens == w.total_tokens, at
+    assert g.measured_requests == w.measured_requests, at
+
+
+@pytest.mark.parametrize("width", [1, 3, 32])
+@pytest.mark.parametrize("policy", FAST_POLICIES)
+def test_matches_replay_and_model_on_random_traces(policy, width, rng):
+  for _ in range(3):
+    block_size = int(rng.integers(1, 9))
+    hash_ids, lengths = _random_trace(rng, int(rng.integers(5, 90)), block_size)
+    if not any(hash_ids):
+      continue
+    warmup = float(rng.choice([0.0, 0.25, 0.5]))
+    plan = rp.prepare_replay(
+      hash_ids, lengths, block_size=block_size, warmup_fraction=warmup
+    )
+    # Tight capacities (below one request's blocks) and roomy ones.
+    capacities = sorted(set(rng.integers(0, 30, size=6).tolist()) | {1, 2})
+    got = replay_fast(plan, policy=policy, capacities=capacities, width=width)
+    _same(
+      got,
+      rp.replay(plan, policy=policy, capacities=capacities, engine="event"),
+      policy,
+    )
+    name = rp.KVCACHE_SIM_POLICY_NAMES[policy]
+    for point in got:
+      want = kvcache_sim.simulate(
+        hash_ids, lengths, block_size, point.capacity_blocks, name, warmup
+      )
+      at = f"{policy} capacity {point.capacity_blocks}"
+      assert (
+        point.per_request_hit_tokens.tolist() == want["per_request_hit_tokens"]
+      ), at
+      assert point.hit_tokens == want["hit_tokens"], at
+      assert point.underfilled == want["underfilled"], at
+
+
+def test_reinserts_a_block_evicted_by_its_own_request():
+  # Capacity 2: [1, 2] caches nodes 1, 2 (queue 1, 2); [3] evicts node 1
+  # (queue 2, 3); the next [1, 2] misses node 1, whose insertion evicts node
+  # 2, cached at the request's start, so node 2 is inserted again and
+  # evicts node 3 (queue 1, 2). So the next [3] misses (without the
+  # re-insertion it would hit), and evicts node 1.
+  hash_ids = [[1, 2], [3], [1, 2], [3], [1, 2]]
+  plan = rp.prepare_replay(hash_ids, [2] * 5, block_size=1, warmup_fraction=0)
+  want = [0, 0, 0, 0, 0]
+  for width in (1, 2):
+    (point,) = replay_fast(plan, policy="fifo", capacities=[2], width=width)
+    assert point.per_request_hit_tokens.tolist() == want, width
+  for capacity in range(5):
+    got = replay_fast(plan, policy="fifo", capacities=[capacity], width=1)
+    _same(
+      got,
+      rp.replay(plan, policy="fifo", capacities=[capacity], engine="event"),
+      "fifo",
+    )
+
+
+def test_bad_arguments_are_reported():
+  plan = rp.prepare_replay([[1]], [4], block_size=4)
+  with pytest.raises(ValueError, match="policy='lfu'"):
+    replay_fast(plan, policy="lfu", capacities=[1])
+  with pytest.raises(ValueError, match="must be >= 0"):
+    replay_fast(plan, policy="fifo", capacities=[-1])
+  with pytest.raises(ValueError, match="capacities must not be empty"):
+    replay_fast(plan, policy="fifo", capacities=[])
+  with pytest.raises(ValueError, match="width=0"):
+    replay_fast(plan, policy="fifo", capacities=[1], width=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", FAST_POLICIES)
+def test_mooncake_published_points(policy):
+  path = shared_trace(MOONCAKE)
+  if path is None:
+    pytest.skip(f"real trace {MOONCAKE} not found in {shared_traces_dir()}")
+  trace = load_mooncake(path)
+  plan = rp.prepare_replay(trace.hash_ids, trace.input_lengths, block_size=512)
+  capacities = list(PUBLISHED)
+  index = rp.REPLAY_POLICIES.index(policy)
+  got = replay_fast(plan, policy=policy, capacities=capacities)
+  assert [p.hit_tokens for p in got] == [
+    PUBLISHED[c][index] for c in capacities
+  ]
+  _same(
+    got,
+    rp.replay(plan, policy=policy, capacities=capacities, engine="event"),
+    policy,
+  )
