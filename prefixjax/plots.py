@@ -34,6 +34,7 @@ def plot_hit_rates(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
   except ImportError as err:  # pragma: no cover - depends on the install
     raise ImportError(
       "plots need matplotlib: pip install 'prefixjax[plot]'"
@@ -45,19 +46,26 @@ def plot_hit_rates(
       for r in rows
       if r["policy"] == policy
     )
-    xs = [p[0] for p in points]
-    ys = [100 * p[1] for p in points]
-    (line,) = ax.plot(xs, ys, marker="o", label=policy)
-    under = [
-      (x, y)
-      for x, y, p in zip(xs, ys, points, strict=True)
-      if p[2] == "underfilled"
-    ]
+    measured = [(x, 100 * y) for x, y, mode in points if mode != "underfilled"]
+    under = [x for x, _, mode in points if mode == "underfilled"]
+    xs_ys = list(zip(*measured, strict=True)) or [(), ()]
+    (line,) = ax.plot(*xs_ys, marker="o", label=policy)
     if under:
-      ax.scatter(*zip(*under, strict=True), marker="x", color=line.get_color())
+      # An underfilled cache reports 0 hits (as kvcache-simulator does):
+      # marked on the axis, not joined to the curve.
+      ax.scatter(
+        under,
+        [0] * len(under),
+        marker="x",
+        color=line.get_color(),
+        label=f"{policy}: underfilled",
+        clip_on=False,
+      )
   if ceiling is not None:
     ax.axhline(100 * ceiling, linestyle="--", color="gray", label="unbounded")
   ax.set_xscale("log")
+  # Label decades only: minor labels on a log axis overlap.
+  ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
   ax.set_xlabel("cache capacity (blocks)")
   ax.set_ylabel("token hit rate (%)")
   ax.set_ylim(bottom=0)

@@ -285,6 +285,7 @@ def test_plot_hit_rates_writes_png(tmp_path):
       ("fifo", 100, 0.3, "measured"),
       ("lru_leaf", 10, 0.2, "measured"),
       ("lru_leaf", 100, 0.4, "measured"),
+      ("belady_leaf", 10, 0.0, "underfilled"),  # no measured point at all
     ]
   ]
   path = tmp_path / "hits.png"
