@@ -30,8 +30,46 @@ eviction happens. Per step: one gather (through
 :func:`prefixjax.paging.barrier`), cumsums, one scatter; nothing depends on
 the number of nodes.
 
+``lru_leaf`` and ``belady_leaf`` (kvcache-simulator's ``lru`` and
+``optimal``): the state of :mod:`prefixjax.replay` (per node its
+cached-children count and its key; the leaves as a hierarchical bitmap of
+keys, a key naming its node through the event arrays), without its
+``held`` leaf or never-used stack. A step touches the chunk's hit run (one
+scatter of keys; only the deepest hit can be a leaf, so one bitmap move),
+evicts, then inserts its missing blocks as a chain (one scatter).
+
+The victims are taken by chain walks in a ``while_loop``, one
+gather-barrier-scatter round per walk: the best leaf key ``k1`` names an
+event of its node, whose ancestors are the earlier events of that request
+(``k1 - 1, k1 - 2, ...``, one gather), and the walk goes up while the next
+ancestor is left childless and would be the sequential process's next
+victim too (its key beats ``k2``, the runner-up leaf key): up to ``W``
+victims per walk.
+
+* ``lru_leaf`` keys a node by the event that last touched it; the victim
+  is the smallest key. The request's own keys (its hits and insertions)
+  are at least its first event index and all others are below it, so
+  while an older leaf exists none of its blocks is a victim, and the
+  victims are the first ``max(0, misses - free)`` of the process "evict
+  the smallest leaf; its parent may become a leaf" over the older leaves,
+  whatever their interleaving with the insertions (about 3.5 walks per
+  request on the Mooncake trace). When the older leaves run out (tiny
+  capacities) the next insertion that needs room evicts the request's
+  last inserted block, the parent of the block being inserted, and the
+  request stops (without an eviction when the only leaf is its protected
+  hit).
+* ``belady_leaf`` keys a node by the event of its next use, or, if it is
+  never used again, by ``E + 1 +`` the event that last touched it (above
+  every finite key, and still naming the node's path; never-used leaves
+  tie, and any of them is a valid victim); the victim is the largest key.
+  Victim ``i`` of a chunk makes room for its insertion ``free + i``, and
+  the walk stops at the first victim whose next-use request is not after
+  that block's (the Belady bypass, which stops the request). The
+  request's own blocks always fail that test (a block's next use is no
+  later than its descendants'), so they are never evicted.
+
 Dimensions: ``S`` steps (request chunks), ``W`` blocks per step, ``C``
-capacities, ``V`` trie nodes + 1 (the root).
+capacities, ``V`` trie nodes + 1 (the root), ``E`` block events.
 """
 
 from __future__ import annotations
@@ -44,15 +82,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from prefixjax import bitmap
 from prefixjax.paging import barrier, gather, scatter
 from prefixjax.replay import REPLAY_POLICIES, ReplayPlan, ReplayPoint, _point
 
 __all__ = ["FAST_POLICIES", "replay_fast"]
 
-FAST_POLICIES = ("fifo",)
+FAST_POLICIES = ("fifo", "lru_leaf", "belady_leaf")
 """Policies this engine serves."""
 
 _NONE = -1
+_FAR = np.iinfo(np.int32).max  # a key after every key
+_CAPACITIES = "capacities"  # the vmap axis (eviction loops sync across it)
 _WIDTH = 32  # blocks per scan step (16 to 64 measure alike on Mooncake)
 
 
@@ -125,32 +166,303 @@ def _fifo_step(s, x, *, capacity):
   return s, hits
 
 
-def _run(xs, capacity, *, policy, num_nodes):
+def _neighbour_key(bm, offsets, key, *, above):
+  """The nearest set key above (or below) ``key`` (a set key), or -1.
+
+  The path words of ``key`` say at which level the neighbour branches off
+  (the lowest level with a set bit beside the path); from there it
+  descends by lowest (highest) set bits, one word gather per level.
+  """
+  u32 = jnp.uint32
+  levels = len(offsets)
+  path = bitmap.words(bm, offsets, key[None])[0]  # [L]
+  if above:
+    pick = lambda w: jax.lax.population_count((w & (~w + 1)) - 1)
+  else:
+    pick = lambda w: 31 - jax.lax.clz(w)
+  beside = []
+  for lv in range(levels):
+    bit = jnp.left_shift(u32(1), ((key >> (5 * lv)) & 31).astype(u32))
+    below = bit - 1
+    beside.append(path[lv] & (~(below | bit) if above else below))
+  branch = jnp.int32(levels)
+  for lv in reversed(range(levels)):
+    branch = jnp.where(beside[lv] != 0, lv, branch)
+  prefix = jnp.int32(0)
+  for lv in reversed(range(levels)):
+    word = gather(bm, (offsets[lv] + prefix)[None], 0)[0]
+    start = (key >> (5 * (lv + 1))) * 32 + pick(beside[lv]).astype(jnp.int32)
+    down = prefix * 32 + pick(word).astype(jnp.int32)
+    prefix = jnp.where(lv == branch, start, jnp.where(lv < branch, down, 0))
+  return jnp.where((branch < levels) & (key >= 0), prefix, -1)
+
+
+def _leaf_step(s, x, *, policy, capacity, consts, num_events):
+  """Serves one chunk of a request under a leaf policy; returns its hits.
+
+  See the module docstring. ``prev`` is the end of the request's cached
+  path so far (the root, its deepest hit or its last insertion) and
+  ``prev_hit`` whether it is protected (the root or a hit); reads pass
+  through one barrier per phase (hits, each walk, insertions) and every
+  array gets one masked scatter per phase.
+  """
+  nodes, evs, use, use_req, first, warm = x
+  ev_node, ev_start, ev_req, parent_of = consts  # [E], [E], [E + 1], [V]
+  lru = policy == "lru_leaf"
+  offsets = bitmap.layout(_num_keys(policy, num_events))[0]
+  never = num_events  # belady_leaf: the next-use event of an unused node
+  width = nodes.shape[0]
+  i32 = jnp.int32
+  col = jnp.arange(width, dtype=i32)
+  valid = nodes >= 0
+  count = jnp.sum(valid.astype(i32))
+  anchor = evs[0]  # a chunk has at least one block, so never -7
+  in_run = s["in_run"] | first
+  stop = s["stop"] & ~first
+  req_start = jnp.where(first, evs[0], s["req_start"])
+  prev = jnp.where(first, 0, s["prev"])  # the request's cached path end
+  prev_hit = s["prev_hit"] | first  # the root and hits are protected
+  # The key of a touch at each column (see the module docstring).
+  if lru:
+    new_keys = evs
+  else:
+    new_keys = jnp.where(use < never, use, never + 1 + evs)
+
+  def origin(key):
+    """The event a key names (its node's, on the node's path)."""
+    return key if lru else jnp.where(key > never, key - never - 1, key)
+
+  def info_of(ns, fill=0):
+    idx = jnp.stack([2 * ns, 2 * ns + 1], axis=-1)
+    out = gather(s["info"], idx.reshape(-1), fill)
+    return out.reshape(idx.shape)
+
+  def hit_reads():
+    rows = info_of(nodes, _NONE)  # [W, 2] children (-1 not cached), key
+    cached = valid & (rows[:, 0] >= 0)
+    run = jnp.argmin(jnp.append(cached, False)).astype(i32)
+    hit_n = jnp.where(in_run, run, 0)
+    d_col = jnp.maximum(hit_n - 1, 0)
+    keys = jnp.stack([rows[d_col, 1], new_keys[d_col]])
+    return rows, run, hit_n, bitmap.words(s["bm"], offsets, keys)
+
+  (rows, run, hit_n, d_words) = barrier(anchor, *hit_reads())
+  d_col = jnp.maximum(hit_n - 1, 0)
+  d_leaf = (hit_n > 0) & (rows[d_col, 0] == 0)
+  hits = col < hit_n
+  s = dict(s)
+  s["info"] = scatter(s["info"], 2 * nodes + 1, new_keys, hits)
+  s["bm"] = bitmap.update(
+    s["bm"],
+    offsets,
+    jnp.stack([rows[d_col, 1], new_keys[d_col]]),
+    d_words,
+    jnp.asarray([False, True]),
+    jnp.stack([d_leaf, d_leaf]),
+  )
+  prev = jnp.where(hit_n > 0, nodes[d_col], prev)
+  prev_hit = prev_hit | (hit_n > 0)
+  misses = jnp.where(stop, 0, count - hit_n)
+  size = s["size"]
+  free = jnp.maximum(capacity - size, 0)
+  need = jnp.maximum(misses - free, 0)
+  chain = jnp.arange(width + 1, dtype=i32)
+
+  def evict_walk(carry):
+    info, bm, done, go = carry
+
+    def reads():
+      k1 = bitmap.find(bm, offsets, rightmost=not lru)
+      k2 = _neighbour_key(bm, offsets, k1, above=lru)
+      start = gather(ev_start, origin(k1)[None], 0)[0]
+      chain_ev = origin(k1) - chain
+      in_req = (k1 >= 0) & (chain_ev >= start)
+      chain_nodes = jnp.where(in_req, gather(ev_node, chain_ev, 0), _NONE)
+      idx = jnp.stack([2 * chain_nodes, 2 * chain_nodes + 1], axis=-1)
+      rows = gather(info, idx.reshape(-1), 0).reshape(idx.shape)
+      ch, key = rows[:, 0], rows[:, 1]
+      if lru:
+        # The request's own keys are the newest: never a victim while an
+        # older leaf is left. Ancestor i follows victim i - 1 while it is
+        # left childless, old and older than every other leaf.
+        k2 = jnp.where(k2 >= 0, k2, _FAR)
+        ok = (key < req_start) & (key < k2)
+      else:
+        # Victim i makes room for insertion free + done + i, whose next
+        # use must come before the victim's (else the Belady bypass).
+        key_req = gather(ev_req, jnp.minimum(key, never), 0)
+        incoming = use_req[jnp.clip(hit_n + free + done + chain, 0, width - 1)]
+        ok = (key_req > incoming) & (key > k2)
+      ok = in_req & ok & ((chain == 0) | (ch == 1))
+      lead = jnp.argmin(jnp.append(ok, False)).astype(i32)
+      go_now = go & (done < need)
+      taken = jnp.minimum(jnp.minimum(lead, need - done), width)
+      taken = jnp.where(go_now, taken, 0)
+      exposed = (taken > 0) & in_req[taken]
+      keys = jnp.stack([k1, key[taken]])
+      return (
+        chain_nodes,
+        ch,
+        taken,
+        exposed,
+        ch[taken] == 1,
+        keys,
+        bitmap.words(bm, offsets, keys),
+      )
+
+    chain_nodes, ch, taken, exposed, leaf, keys, words = barrier(
+      anchor + done, *reads()
+    )
+    victim = chain < taken
+    info = scatter(
+      info,
+      2 * chain_nodes,
+      jnp.where(victim, _NONE, ch - 1),
+      victim | (exposed & (chain == taken)),
+    )
+    bm = bitmap.update(
+      bm,
+      offsets,
+      keys,
+      words,
+      jnp.asarray([False, True]),
+      jnp.stack([taken > 0, exposed & leaf]),
+    )
+    return info, bm, done + taken, taken > 0
+
+  def walking(carry):
+    go = carry[3] & (carry[2] < need)
+    return jax.lax.pmax(go.astype(i32), _CAPACITIES) > 0
+
+  s["info"], s["bm"], evicted, _ = jax.lax.while_loop(
+    walking, evict_walk, (s["info"], s["bm"], i32(0), need > 0)
+  )
+  inserted = jnp.minimum(misses, free + evicted)
+  short = inserted < misses  # no victim left (or the Belady bypass)
+  # lru_leaf: the next insertion evicts the request's last one. A
+  # belady_leaf victim of the request's own is always bypassed instead
+  # (its next use is no later than the incoming block's).
+  own = short & (inserted > 0) & lru
+  kept = inserted - own.astype(i32)
+  evict_prev = short & (inserted == 0) & ~prev_hit & lru
+  prev_parent = gather(parent_of, prev[None], 0)[0]
+
+  def end_reads():
+    ends = info_of(jnp.stack([prev, prev_parent]))  # [2, 2]
+    last = new_keys[jnp.clip(hit_n + kept - 1, 0, width - 1)]
+    keys = jnp.stack([ends[0, 1], last, ends[1, 1]])
+    return ends, last, bitmap.words(s["bm"], offsets, keys)
+
+  ends, last, end_words = barrier(anchor + evicted + 1, *end_reads())
+  new_col = (col >= hit_n) & (col < hit_n + kept)
+  chained = col < hit_n + kept - 1
+  prev_real = prev != 0
+  grow = (kept > 0) & prev_real
+  pp_real = evict_prev & (prev_parent != 0)
+  s["info"] = scatter(
+    s["info"],
+    jnp.concatenate(
+      [2 * nodes, 2 * nodes + 1, jnp.stack([2 * prev, 2 * prev_parent])]
+    ),
+    jnp.concatenate(
+      [
+        chained.astype(i32),
+        new_keys,
+        jnp.stack(
+          [jnp.where(evict_prev, _NONE, ends[0, 0] + 1), ends[1, 0] - 1]
+        ),
+      ]
+    ),
+    jnp.concatenate(
+      [new_col, new_col, jnp.stack([grow | evict_prev, pp_real])]
+    ),
+  )
+  clear_prev = (grow & (ends[0, 0] == 0)) | evict_prev
+  s["bm"] = bitmap.update(
+    s["bm"],
+    offsets,
+    jnp.stack([ends[0, 1], last, ends[1, 1]]),
+    end_words,
+    jnp.asarray([False, True, True]),
+    jnp.stack([clear_prev, kept > 0, pp_real & (ends[1, 0] == 1)]),
+  )
+  last_node = nodes[jnp.clip(hit_n + kept - 1, 0, width - 1)]
+  s["prev"] = jnp.where(
+    kept > 0, last_node, jnp.where(evict_prev, prev_parent, prev)
+  )
+  s["prev_hit"] = prev_hit & (kept == 0)
+  s["size"] = size - evicted + kept - evict_prev.astype(i32)
+  s["req_start"] = req_start
+  s["stop"] = stop | short
+  s["in_run"] = in_run & (run == count)
+  reached = size + inserted - evicted >= capacity
+  s["filled"] = s["filled"] | (warm & (inserted > 0) & reached)
+  return s, hit_n
+
+
+def _num_keys(policy, num_events):
+  """Leaf keys: event indices; ``belady_leaf`` adds a never-used range."""
+  return num_events + 1 if policy == "lru_leaf" else 2 * num_events + 2
+
+
+def _run(xs, consts, capacity, *, policy, num_nodes, num_events):
   """``[S]`` hit blocks per step and whether the cache filled in warm-up."""
-  del policy
-  s = {
-    "key_of": jnp.full((num_nodes,), _NONE, jnp.int32),
-    "head": jnp.int32(0),
-    "tail": jnp.int32(0),
-    "head0": jnp.int32(0),
-    "in_run": jnp.bool_(False),
-    "filled": jnp.bool_(False),
-  }
-  step = functools.partial(_fifo_step, capacity=capacity)
+  i32 = jnp.int32
+  nodes, first, warm, evs, use, use_req = xs
+  s = {"in_run": jnp.bool_(False), "filled": jnp.bool_(False)}
+  if policy == "fifo":
+    s |= {
+      "key_of": jnp.full((num_nodes,), _NONE, i32),
+      "head": i32(0),
+      "tail": i32(0),
+      "head0": i32(0),
+    }
+    step = functools.partial(_fifo_step, capacity=capacity)
+    xs = (nodes, first, warm)
+  else:
+    # Per node, interleaved: [2n] cached children (-1: not cached), [2n + 1]
+    # its key. The root is always cached and never a leaf.
+    info = jnp.zeros((num_nodes, 2), i32).at[1:, 0].set(_NONE)
+    num_words = bitmap.layout(_num_keys(policy, num_events))[1]
+    s |= {
+      "info": info.reshape(-1),  # [2V]
+      "bm": jnp.zeros((num_words,), jnp.uint32),  # [~E/31] or [~2E/31]
+      "size": i32(0),
+      "stop": jnp.bool_(False),
+      "req_start": i32(0),
+      "prev": i32(0),
+      "prev_hit": jnp.bool_(True),
+    }
+    step = functools.partial(
+      _leaf_step,
+      policy=policy,
+      capacity=capacity,
+      consts=consts,
+      num_events=num_events,
+    )
+    xs = (nodes, evs, use, use_req, first, warm)
   s, hits = jax.lax.scan(step, s, xs)
   return hits, s["filled"]
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "num_nodes"))
-def _run_all(xs, capacities, *, policy, num_nodes):
+@functools.partial(
+  jax.jit, static_argnames=("policy", "num_nodes", "num_events")
+)
+def _run_all(xs, consts, capacities, *, policy, num_nodes, num_events):
   """``[C, S]`` hit blocks per chunk and ``[C]`` filled flags.
 
   ``vmap`` over capacities: one step serves every capacity, which amortises
   XLA:CPU's per-op cost (the fix-up loop runs while any capacity needs
-  it; it rarely does).
+  it; it rarely does). The leaf policies' eviction loop takes its trip
+  count from every capacity at once (a ``pmax`` over the vmapped axis):
+  with a per-capacity trip count ``vmap`` would select over the whole
+  state on every iteration; here a capacity with nothing left to evict
+  runs the body as a no-op.
   """
-  run = lambda c: _run(xs, c, policy=policy, num_nodes=num_nodes)
-  return jax.vmap(run)(capacities)
+  run = lambda c: _run(
+    xs, consts, c, policy=policy, num_nodes=num_nodes, num_events=num_events
+  )
+  return jax.vmap(run, axis_name=_CAPACITIES)(capacities)
 
 
 def replay_fast(
@@ -197,15 +509,39 @@ def replay_fast(
     raise ValueError(f"width={width!r} must be an int >= 1")
   nodes, first, request, cols = _chunk_rows(plan, width)
   warm = request < plan.warmup_requests
-  xs = (jnp.asarray(nodes), jnp.asarray(first), jnp.asarray(warm))
-  static = dict(policy=policy, num_nodes=plan.unique_blocks + 1)
+  # Per column: its event index, the event and the request of its node's
+  # next use (never: num_events and num_kept + 1; -1 padded). Per event:
+  # its node, its request's first event and its request (one more entry
+  # for never).
+  starts = np.flatnonzero(plan.first)
+  ev_start = np.repeat(starts, np.diff(np.r_[starts, plan.num_events]))
+  use_ev = np.full(plan.num_events, plan.num_events, np.int32)
+  order = np.lexsort((np.arange(plan.num_events), plan.node))
+  same = plan.node[order][1:] == plan.node[order][:-1]
+  use_ev[order[:-1]] = np.where(same, order[1:], plan.num_events)
+  columns = []
+  for per_event in (np.arange(plan.num_events), use_ev, plan.next_use):
+    column = np.full(nodes.shape, _NONE, np.int32)
+    column[nodes >= 0] = per_event
+    columns.append(column)
+  xs = tuple(jnp.asarray(a) for a in (nodes, first, warm, *columns))
+  ev_req = np.r_[plan.request, plan.num_kept + 1]
+  consts = tuple(
+    jnp.asarray(a, jnp.int32)
+    for a in (plan.node, ev_start, ev_req, plan.parent)
+  )
+  static = dict(
+    policy=policy,
+    num_nodes=plan.unique_blocks + 1,
+    num_events=plan.num_events,
+  )
   start = time.perf_counter()
   probe = jnp.zeros((len(capacities),), jnp.int32)
-  compiled = _run_all.lower(xs, probe, **static).compile()
+  compiled = _run_all.lower(xs, consts, probe, **static).compile()
   compile_s = time.perf_counter() - start
   start = time.perf_counter()
   hits, filled = jax.block_until_ready(
-    compiled(xs, jnp.asarray(clipped, jnp.int32))
+    compiled(xs, consts, jnp.asarray(clipped, jnp.int32))
   )
   run_s = time.perf_counter() - start
   if timings is not None:

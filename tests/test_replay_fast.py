@@ -73,7 +73,7 @@ def test_matches_replay_and_model_on_random_traces(policy, width, rng):
       hash_ids, lengths, block_size=block_size, warmup_fraction=warmup
     )
     # Tight capacities (below one request's blocks) and roomy ones.
-    capacities = sorted(set(rng.integers(0, 30, size=6).tolist()) | {1, 2})
+    capacities = sorted(set(rng.integers(0, 30, size=6).tolist()) | {0, 1, 2})
     got = replay_fast(plan, policy=policy, capacities=capacities, width=width)
     _same(
       got,
@@ -112,6 +112,70 @@ def test_reinserts_a_block_evicted_by_its_own_request():
       rp.replay(plan, policy="fifo", capacities=[capacity], engine="event"),
       "fifo",
     )
+
+
+@pytest.mark.parametrize("width", [1, 2, 32])
+def test_lru_leaf_evicts_its_own_insertion_when_no_older_leaf_is_left(width):
+  # Capacity 2, one token per block. [1, 2, 3] inserts 1 and 2, then 3
+  # finds only its own leaf 2 (its parent), evicts it and stops: {1}. The
+  # next [1, 2, 3] hits 1 (protected), inserts 2, evicts it again for 3:
+  # {1}. [4] fills the cache: {1, 4}. [1, 2, 3, 5] hits 1, inserts 2 over
+  # the older leaf 4, then evicts 2 for 3 and stops. Capacity 1: [1, 2]
+  # after [1] finds only its protected hit 1, so it inserts nothing. With
+  # width 1 or 2 the evicted insertion can sit in the previous chunk.
+  hash_ids = [[1, 2, 3], [1, 2, 3], [4], [1, 2, 3, 5], [1], [1, 2], [1, 2]]
+  lengths = [len(ids) for ids in hash_ids]
+  plan = rp.prepare_replay(hash_ids, lengths, block_size=1, warmup_fraction=0)
+  (point,) = replay_fast(plan, policy="lru_leaf", capacities=[2], width=width)
+  assert point.per_request_hit_tokens.tolist() == [0, 1, 0, 1, 1, 1, 2]
+  capacities = list(range(7))
+  got = replay_fast(plan, policy="lru_leaf", capacities=capacities, width=width)
+  _same(
+    got,
+    rp.replay(plan, policy="lru_leaf", capacities=capacities, engine="event"),
+    "lru_leaf",
+  )
+  for point in got:
+    want = kvcache_sim.simulate(
+      hash_ids, lengths, 1, point.capacity_blocks, "lru", 0.0
+    )
+    assert (
+      point.per_request_hit_tokens.tolist() == want["per_request_hit_tokens"]
+    ), point.capacity_blocks
+
+
+@pytest.mark.parametrize("width", [1, 2, 32])
+def test_belady_leaf_bypasses_a_block_needed_no_sooner(width):
+  # Capacity 2, one token per block. [1, 2] caches both (next uses:
+  # requests 2 and 3). [3, 4] is never used again and no leaf is used later
+  # than that, so nothing is evicted or inserted. [1, 5] hits 1; 5 (next
+  # use 4) is bypassed too: the only unprotected leaf, 2, is needed sooner
+  # (request 3). So [1, 2] hits both and [1, 5] hits 1 only.
+  hash_ids = [[1, 2], [3, 4], [1, 5], [1, 2], [1, 5]]
+  lengths = [len(ids) for ids in hash_ids]
+  plan = rp.prepare_replay(hash_ids, lengths, block_size=1, warmup_fraction=0)
+  (point,) = replay_fast(
+    plan, policy="belady_leaf", capacities=[2], width=width
+  )
+  assert point.per_request_hit_tokens.tolist() == [0, 0, 1, 2, 1]
+  capacities = list(range(6))
+  got = replay_fast(
+    plan, policy="belady_leaf", capacities=capacities, width=width
+  )
+  _same(
+    got,
+    rp.replay(
+      plan, policy="belady_leaf", capacities=capacities, engine="event"
+    ),
+    "belady_leaf",
+  )
+  for point in got:
+    want = kvcache_sim.simulate(
+      hash_ids, lengths, 1, point.capacity_blocks, "optimal", 0.0
+    )
+    assert (
+      point.per_request_hit_tokens.tolist() == want["per_request_hit_tokens"]
+    ), point.capacity_blocks
 
 
 def test_bad_arguments_are_reported():
