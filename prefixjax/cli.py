@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 
 EXIT_USAGE = 2
@@ -194,6 +195,14 @@ def _add_replay(subparsers) -> None:
     help="share of requests before hits are counted (default 0.5)",
   )
   p.add_argument("--limit", type=_positive_int, help="read only N requests")
+  p.add_argument(
+    "--cpu-threads",
+    type=_nonnegative_int,
+    default=1,
+    metavar="T",
+    help="XLA:CPU threads (default 1: the replays are sequential scans, "
+    "about 2x faster on one thread; 0 = XLA's default, all cores)",
+  )
   p.add_argument("--json", metavar="OUT", help="also write results as JSON")
   p.add_argument(
     "--plot",
@@ -204,8 +213,19 @@ def _add_replay(subparsers) -> None:
   p.set_defaults(func=_cmd_replay)
 
 
+def _set_cpu_threads(threads: int) -> None:
+  """Sizes XLA:CPU's thread pool through ``NPROC``, which XLA reads when its
+  CPU backend starts (the first computation), so call it before any.
+  Measured with jax 0.10.2 on 2 cores: the 12 Mooncake replay points take
+  0.6 s on one thread and 1.1 s on two."""
+  if threads:
+    os.environ["NPROC"] = str(threads)
+
+
 def _cmd_replay(args) -> int:
   import time
+
+  _set_cpu_threads(args.cpu_threads)
 
   import jax
   import numpy as np
