@@ -1,4 +1,4 @@
-"""Per-event cost of the on-device replay on the Mooncake conversation trace.
+"""Per-event cost of the event engine (`replay(engine="event")`) on Mooncake.
 
 Usage: python benchmarks/replay_profile.py [policy ...] [--events N]
 Prints compile seconds and the min / median run seconds of 3 runs over the
