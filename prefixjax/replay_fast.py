@@ -43,8 +43,11 @@ gather-barrier-scatter round per walk: the best leaf key ``k1`` names an
 event of its node, whose ancestors are the earlier events of that request
 (``k1 - 1, k1 - 2, ...``, one gather), and the walk goes up while the next
 ancestor is left childless and would be the sequential process's next
-victim too (its key beats ``k2``, the runner-up leaf key): up to ``W``
-victims per walk.
+victim too: up to ``W`` victims per walk. ``lru_leaf`` asks its key to be
+below ``k1`` (so below every leaf's), ``belady_leaf`` above ``k2``, an
+upper bound on the runner-up leaf key read off ``k1``'s bitmap path
+(:func:`_below_bound`). Both tests can stop a walk early, never late, so
+a walk evicts a prefix of the sequential victims; the next walk goes on.
 
 * ``lru_leaf`` keys a node by the event that last touched it; the victim
   is the smallest key. The request's own keys (its hits and insertions)
@@ -92,7 +95,6 @@ FAST_POLICIES = ("fifo", "lru_leaf", "belady_leaf")
 """Policies this engine serves."""
 
 _NONE = -1
-_FAR = np.iinfo(np.int32).max  # a key after every key
 _CAPACITIES = "capacities"  # the vmap axis (eviction loops sync across it)
 _WIDTH = 32  # blocks per scan step (16 to 64 measure alike on Mooncake)
 
@@ -166,35 +168,24 @@ def _fifo_step(s, x, *, capacity):
   return s, hits
 
 
-def _neighbour_key(bm, offsets, key, *, above):
-  """The nearest set key above (or below) ``key`` (a set key), or -1.
+def _below_bound(bm, offsets, key):
+  """An upper bound on the nearest set key below ``key`` (a set key), or -1.
 
-  The path words of ``key`` say at which level the neighbour branches off
-  (the lowest level with a set bit beside the path); from there it
-  descends by lowest (highest) set bits, one word gather per level.
+  One gather: the path words of ``key`` say at which level the neighbour
+  branches off, and which sibling subtree holds it; the bound is that
+  subtree's last key (exact when the neighbour shares ``key``'s word).
   """
   u32 = jnp.uint32
-  levels = len(offsets)
   path = bitmap.words(bm, offsets, key[None])[0]  # [L]
-  if above:
-    pick = lambda w: jax.lax.population_count((w & (~w + 1)) - 1)
-  else:
-    pick = lambda w: 31 - jax.lax.clz(w)
-  beside = []
-  for lv in range(levels):
+  bound = jnp.int32(-1)
+  for lv in reversed(range(len(offsets))):
     bit = jnp.left_shift(u32(1), ((key >> (5 * lv)) & 31).astype(u32))
-    below = bit - 1
-    beside.append(path[lv] & (~(below | bit) if above else below))
-  branch = jnp.int32(levels)
-  for lv in reversed(range(levels)):
-    branch = jnp.where(beside[lv] != 0, lv, branch)
-  prefix = jnp.int32(0)
-  for lv in reversed(range(levels)):
-    word = gather(bm, (offsets[lv] + prefix)[None], 0)[0]
-    start = (key >> (5 * (lv + 1))) * 32 + pick(beside[lv]).astype(jnp.int32)
-    down = prefix * 32 + pick(word).astype(jnp.int32)
-    prefix = jnp.where(lv == branch, start, jnp.where(lv < branch, down, 0))
-  return jnp.where((branch < levels) & (key >= 0), prefix, -1)
+    below = path[lv] & (bit - 1)
+    top = (
+      (key >> (5 * (lv + 1))) * 32 + 31 - jax.lax.clz(below).astype(jnp.int32)
+    )
+    bound = jnp.where(below != 0, ((top + 1) << (5 * lv)) - 1, bound)
+  return jnp.where(key >= 0, bound, -1)
 
 
 def _leaf_step(s, x, *, policy, capacity, consts, num_events):
@@ -273,7 +264,6 @@ def _leaf_step(s, x, *, policy, capacity, consts, num_events):
 
     def reads():
       k1 = bitmap.find(bm, offsets, rightmost=not lru)
-      k2 = _neighbour_key(bm, offsets, k1, above=lru)
       start = gather(ev_start, origin(k1)[None], 0)[0]
       chain_ev = origin(k1) - chain
       in_req = (k1 >= 0) & (chain_ev >= start)
@@ -284,10 +274,12 @@ def _leaf_step(s, x, *, policy, capacity, consts, num_events):
       if lru:
         # The request's own keys are the newest: never a victim while an
         # older leaf is left. Ancestor i follows victim i - 1 while it is
-        # left childless, old and older than every other leaf.
-        k2 = jnp.where(k2 >= 0, k2, _FAR)
-        ok = (key < req_start) & (key < k2)
+        # left childless, old and older than k1, so older than every leaf
+        # (a parent usually shares its child's request, so its key is
+        # smaller; stopping at a newer one only ends the walk early).
+        ok = (key < req_start) & (key <= k1)
       else:
+        k2 = _below_bound(bm, offsets, k1)
         # Victim i makes room for insertion free + done + i, whose next
         # use must come before the victim's (else the Belady bypass).
         key_req = gather(ev_req, jnp.minimum(key, never), 0)
