@@ -670,30 +670,43 @@ def replay(
     return replay_fast.replay_fast(
       plan, policy=policy, capacities=capacities, timings=timings
     )
-  capacities = [int(c) for c in capacities]
-  if not capacities:
-    raise ValueError("capacities must not be empty")
-  if min(capacities) < 0:
-    raise ValueError(f"capacities={capacities} must be >= 0")
-  # A capacity above the number of nodes behaves like the node count.
-  clipped = np.minimum(np.asarray(capacities), plan.unique_blocks + 1)
+  capacities, clipped = _capacities(plan, capacities)
   start = time.perf_counter()
   compiled, (events, consts, _) = _compiled(plan, policy, len(capacities))
-  compile_s = time.perf_counter() - start
-  start = time.perf_counter()
-  hits, filled = jax.block_until_ready(
-    compiled(events, consts, jnp.asarray(clipped, jnp.int32))
+  hits, filled = _timed_run(
+    compiled,
+    (events, consts, jnp.asarray(clipped, jnp.int32)),
+    time.perf_counter() - start,
+    timings,
   )
-  run_s = time.perf_counter() - start
-  if timings is not None:
-    timings["compile_s"] = timings.get("compile_s", 0.0) + compile_s
-    timings["run_s"] = timings.get("run_s", 0.0) + run_s
   hits = np.asarray(hits, np.int64)
   filled = np.asarray(filled)
   return [
     _point(plan, policy, capacity, hits[i], bool(filled[i]))
     for i, capacity in enumerate(capacities)
   ]
+
+
+def _capacities(plan: ReplayPlan, capacities) -> tuple[list[int], np.ndarray]:
+  """Validated capacities, and the same clipped to the number of nodes (a
+  larger capacity behaves like it)."""
+  capacities = [int(c) for c in capacities]
+  if not capacities:
+    raise ValueError("capacities must not be empty")
+  if min(capacities) < 0:
+    raise ValueError(f"capacities={capacities} must be >= 0")
+  return capacities, np.minimum(np.asarray(capacities), plan.unique_blocks + 1)
+
+
+def _timed_run(compiled, args, compile_s: float, timings: dict | None):
+  """Runs ``compiled(*args)`` to completion; adds ``compile_s`` and the run
+  time to ``timings`` (if given). Returns the outputs."""
+  start = time.perf_counter()
+  out = jax.block_until_ready(compiled(*args))
+  if timings is not None:
+    timings["compile_s"] = timings.get("compile_s", 0.0) + compile_s
+    timings["run_s"] = timings.get("run_s", 0.0) + time.perf_counter() - start
+  return out
 
 
 def _point(plan, policy, capacity, event_hits, filled) -> ReplayPoint:

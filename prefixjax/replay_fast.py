@@ -87,7 +87,14 @@ import numpy as np
 
 from prefixjax import bitmap
 from prefixjax.paging import barrier, gather, scatter
-from prefixjax.replay import REPLAY_POLICIES, ReplayPlan, ReplayPoint, _point
+from prefixjax.replay import (
+  REPLAY_POLICIES,
+  ReplayPlan,
+  ReplayPoint,
+  _capacities,
+  _point,
+  _timed_run,
+)
 
 __all__ = ["FAST_POLICIES", "replay_fast"]
 
@@ -491,12 +498,7 @@ def replay_fast(
     raise ValueError(f"policy={policy!r} is not one of {REPLAY_POLICIES}")
   if policy not in FAST_POLICIES:
     raise ValueError(f"policy={policy!r} is not one of {FAST_POLICIES}")
-  capacities = [int(c) for c in capacities]
-  if not capacities:
-    raise ValueError("capacities must not be empty")
-  if min(capacities) < 0:
-    raise ValueError(f"capacities={capacities} must be >= 0")
-  clipped = np.minimum(np.asarray(capacities), plan.unique_blocks + 1)
+  capacities, clipped = _capacities(plan, capacities)
   if isinstance(width, bool) or not isinstance(width, int) or width < 1:
     raise ValueError(f"width={width!r} must be an int >= 1")
   nodes, first, request, cols = _chunk_rows(plan, width)
@@ -530,15 +532,12 @@ def replay_fast(
   start = time.perf_counter()
   probe = jnp.zeros((len(capacities),), jnp.int32)
   compiled = _run_all.lower(xs, consts, probe, **static).compile()
-  compile_s = time.perf_counter() - start
-  start = time.perf_counter()
-  hits, filled = jax.block_until_ready(
-    compiled(xs, consts, jnp.asarray(clipped, jnp.int32))
+  hits, filled = _timed_run(
+    compiled,
+    (xs, consts, jnp.asarray(clipped, jnp.int32)),
+    time.perf_counter() - start,
+    timings,
   )
-  run_s = time.perf_counter() - start
-  if timings is not None:
-    timings["compile_s"] = timings.get("compile_s", 0.0) + compile_s
-    timings["run_s"] = timings.get("run_s", 0.0) + run_s
   hits = np.asarray(hits, np.int64)
   filled = np.asarray(filled)
   points = []

@@ -25,16 +25,27 @@ PUBLISHED = {  # capacity: (fifo, lru_leaf, belady_leaf) hit tokens
 }
 
 
-def _random_trace(rng, num_requests, block_size):
-  """Heavy sharing: a few prefixes, short random tails, partial last blocks."""
+def _random_trace(
+  rng,
+  num_requests,
+  block_size,
+  *,
+  num_prefixes=5,
+  max_prefix=6,
+  max_tail=4,
+  tail_vocab=8,
+):
+  """Heavy sharing: a few prefixes, short random tails, partial last blocks,
+  a few empty requests."""
   prefixes = [
-    rng.integers(0, 6, size=rng.integers(1, 7)).tolist() for _ in range(5)
+    rng.integers(0, 6, size=rng.integers(1, max_prefix + 1)).tolist()
+    for _ in range(num_prefixes)
   ]
   hash_ids, lengths = [], []
   for _ in range(num_requests):
     ids = (
       prefixes[rng.integers(0, len(prefixes))]
-      + rng.integers(0, 8, size=rng.integers(0, 5)).tolist()
+      + rng.integers(0, tail_vocab, size=rng.integers(0, max_tail + 1)).tolist()
     )
     if rng.random() < 0.05:
       ids = []  # dropped by the simulator's parser

@@ -11,39 +11,26 @@ Mooncake points.
 from __future__ import annotations
 
 import pytest
+import test_replay
 from reference_models import kvcache_sim, shared_trace, shared_traces_dir
+from test_replay import MOONCAKE, PUBLISHED
 
 from prefixjax import replay as rp
 from prefixjax.replay_fast import FAST_POLICIES, replay_fast
 from prefixjax.workloads import load_mooncake
 
-MOONCAKE = "mooncake_conversation_trace.jsonl"
-PUBLISHED = {  # capacity: (fifo, lru_leaf, belady_leaf) hit tokens
-  1827: (3_602_280, 3_704_049, 17_434_225),
-  9139: (12_102_727, 13_865_669, 27_038_068),
-  18279: (17_387_598, 19_962_647, 27_038_068),
-  36558: (22_099_608, 24_900_024, 27_038_068),
-}
-
 
 def _random_trace(rng, num_requests, block_size):
-  """Heavy sharing: a few prefixes, random tails, long and empty requests."""
-  prefixes = [
-    rng.integers(0, 6, size=rng.integers(1, 9)).tolist() for _ in range(4)
-  ]
-  hash_ids, lengths = [], []
-  for _ in range(num_requests):
-    ids = (
-      prefixes[rng.integers(0, len(prefixes))]
-      + rng.integers(0, 6, size=rng.integers(0, 7)).tolist()
-    )
-    if rng.random() < 0.05:
-      ids = []  # dropped by the simulator's parser
-    hash_ids.append(ids)
-    lengths.append(
-      max(len(ids) * block_size - int(rng.integers(0, block_size)), 1)
-    )
-  return hash_ids, lengths
+  """Longer tails than the event-engine tests: more multi-chunk requests."""
+  return test_replay._random_trace(
+    rng,
+    num_requests,
+    block_size,
+    num_prefixes=4,
+    max_prefix=8,
+    max_tail=6,
+    tail_vocab=6,
+  )
 
 
 def _same(got, want, where):
