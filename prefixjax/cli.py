@@ -218,7 +218,17 @@ def _set_cpu_threads(threads: int) -> None:
   CPU backend starts (the first computation), so call it before any.
   Measured with jax 0.10.2 on 2 cores: the 12 Mooncake replay points take
   0.6 s on one thread and 1.1 s on two."""
-  if threads:
+  if not threads:
+    return
+  try:
+    from jax._src import xla_bridge
+
+    started = xla_bridge.backends_are_initialized()
+  except (ImportError, AttributeError):  # other jax internals: leave it be
+    started = True
+  # Once the backend runs, NPROC cannot help, and changing what XLA reads
+  # mid-process (e.g. when tests call main()) is asking for trouble.
+  if not started:
     os.environ["NPROC"] = str(threads)
 
 
