@@ -26,3 +26,17 @@ def rng(request):
   request.node.user_properties.append(("seed", seed))
   print(f"rng seed: {seed}")
   return np.random.default_rng(seed)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Drops jax's compiled programs after each test module.
+
+  The whole suite compiles thousands of XLA:CPU programs in one process; on
+  the 2-core CI machine (2026-11-30, jax 0.10.2) a compile late in the run
+  crashed (segfault, then abort, twice at the same test) while every module
+  passed in smaller runs. Releasing the programs between modules keeps the
+  process's JIT memory bounded.
+  """
+  yield
+  jax.clear_caches()
