@@ -23,8 +23,6 @@ import pathlib
 import sys
 import time
 
-import numpy as np
-
 from prefixjax import replay as rp
 from prefixjax.serving_replay import replay_vllm
 from prefixjax.sglang_replay import replay_sglang
@@ -80,8 +78,7 @@ def main(argv=None) -> int:
   else:
     trace = default_workload(num_requests=args.limit or 2000)
     block_size = args.block_size or 16
-  held = trace.input_lengths + np.maximum(trace.output_lengths, 1) - 1
-  smallest = int(-(-int(held.max()) // block_size))
+  smallest = int(-(-int(trace.kv_tokens.max()) // block_size))
   capacities = args.capacity or [smallest * f for f in (1, 2, 4, 8, 16, 64)]
   if min(capacities) < smallest:
     raise SystemExit(

@@ -315,7 +315,6 @@ SERVING = {
 
 def _replay_serving(args, trace, load_s) -> int:
   import jax
-  import numpy as np
 
   from prefixjax import serving_replay, sglang_replay
 
@@ -348,8 +347,7 @@ def _replay_serving(args, trace, load_s) -> int:
   capacities = args.capacity or [need * f for f in (2, 8, 32, 128)]
   # Checked here too (the replays' rule) so that a bad capacity fails
   # before the points before it are computed one capacity at a time.
-  held = trace.input_lengths + np.maximum(trace.output_lengths, 1) - 1
-  fits = -(-int(held.max()) // block_size)
+  fits = -(-int(trace.kv_tokens.max()) // block_size)
   if min(capacities) < fits:
     raise CliError(
       f"capacity={min(capacities)} blocks cannot hold the largest request "

@@ -253,8 +253,7 @@ def replay_vllm(
     raise ValueError(f"publish={publish!r} is not one of {PUBLISH_MODES}")
   if len(trace) == 0:
     raise ValueError(f"trace {trace.name!r} has no requests")
-  totals = trace.input_lengths + np.maximum(trace.output_lengths, 1) - 1
-  need = int(-(-int(totals.max()) // block_size))
+  need = int(-(-int(trace.kv_tokens.max()) // block_size))
   for capacity in capacities:
     if capacity < need:
       raise ValueError(
@@ -294,9 +293,7 @@ def _general_hits(
   reference for :mod:`prefixjax.vllm_replay`)."""
   from_tokens = trace.has_token_ids
   prompt_lens = np.asarray(trace.input_lengths, np.int32)
-  totals = (
-    trace.input_lengths + np.maximum(trace.output_lengths, 1) - 1
-  ).astype(np.int32)
+  totals = trace.kv_tokens.astype(np.int32)
   if from_tokens:
     run, blocks = _run_tokens, _token_matrix(trace, block_size, totals)
     max_blocks = blocks.shape[1] // block_size

@@ -567,7 +567,7 @@ def _check(trace: Trace, block_size, capacities, warmup_fraction):
   for capacity in capacities:
     if isinstance(capacity, bool) or not isinstance(capacity, int | np.integer):
       raise TypeError(f"capacity={capacity!r} must be an int")
-  totals = trace.input_lengths + np.maximum(trace.output_lengths, 1) - 1
+  totals = trace.kv_tokens
   need = int(_cdiv(int(totals.max()), block_size))
   for capacity in capacities:
     if capacity < need or capacity >= 2**31:

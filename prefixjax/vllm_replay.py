@@ -333,8 +333,7 @@ def replay_hits(
   capacities = [int(c) for c in capacities]
   if not capacities:
     return []
-  prompt_lens = np.asarray(trace.input_lengths, np.int64)
-  totals = prompt_lens + np.maximum(trace.output_lengths, 1) - 1
+  totals = trace.kv_tokens
   plan = _plan(trace, block_size, totals)
   largest = max(capacities)
   num_queue_keys = largest + int(plan.num_blocks.astype(np.int64).sum())

@@ -210,3 +210,17 @@ def test_block_hash_ids_follow_shared_prefixes(rng):
     trace.block_hash_ids(0)
   with pytest.raises(ValueError, match="has no input_token_ids"):
     Trace([0.0], [1], [1]).block_hash_ids(4)
+
+
+def test_kv_tokens_is_prompt_plus_all_but_the_last_sampled_token(rng):
+  n = int(rng.integers(1, 50))
+  inputs = rng.integers(1, 5000, size=n)
+  outputs = rng.integers(0, 300, size=n)
+  trace = Trace(
+    arrival_times_s=np.zeros(n), input_lengths=inputs, output_lengths=outputs
+  )
+  want = [
+    int(p) + max(int(o), 1) - 1 for p, o in zip(inputs, outputs, strict=True)
+  ]
+  assert trace.kv_tokens.tolist() == want
+  assert trace.kv_tokens.dtype == np.int64

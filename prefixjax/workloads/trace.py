@@ -250,6 +250,18 @@ class Trace:
     return self.num_input_tokens + self.num_output_tokens
 
   @property
+  def kv_tokens(self) -> np.ndarray:
+    """``[R]`` int64 tokens with KV when each request finishes: the prompt
+    and every output token but the last sampled one (``P + max(O, 1) -
+    1``; a request always samples at least one token). What a serving
+    cache holds for it at the end."""
+    return (
+      self.input_lengths.astype(np.int64)
+      + np.maximum(self.output_lengths.astype(np.int64), 1)
+      - 1
+    )
+
+  @property
   def has_token_ids(self) -> bool:
     """Whether the prompts' token ids are known (any block size works)."""
     return self.input_token_ids is not None
