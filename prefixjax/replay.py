@@ -95,6 +95,7 @@ KVCACHE_SIM_POLICY_NAMES = {
 """Our policy name -> kvcache-simulator's name for the same rule."""
 
 _NONE = -1
+_ENGINES = ("auto", "event", "request", "keys")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -644,8 +645,11 @@ def replay(
     timings: if given, ``compile_s`` and ``run_s`` are added to it.
     engine: ``"event"`` (this module: one scan step per block event),
       ``"request"`` (:mod:`prefixjax.replay_fast`: a request's blocks per
-      step, for the policies in its ``FAST_POLICIES``) or ``"auto"`` (the
-      request engine where it serves the policy). Both give equal hits.
+      step, for the policies in its ``FAST_POLICIES``), ``"keys"``
+      (:mod:`prefixjax.replay_keys`: ``lru_leaf`` as stack distances, every
+      capacity in one pass, and ``belady_leaf`` as counts per next-use
+      key) or ``"auto"`` (``"keys"`` for the leaf policies, ``"request"``
+      for ``fifo``). All give equal hits.
 
   Returns:
     One :class:`ReplayPoint` per capacity, in order.
@@ -660,10 +664,20 @@ def replay(
   """
   if policy not in REPLAY_POLICIES:
     raise ValueError(f"policy={policy!r} is not one of {REPLAY_POLICIES}")
-  if engine not in ("auto", "event", "request"):
-    raise ValueError(f"engine={engine!r} is not 'auto', 'event' or 'request'")
-  from prefixjax import replay_fast  # it imports this module
+  if engine not in _ENGINES:
+    raise ValueError(f"engine={engine!r} is not one of {_ENGINES}")
+  from prefixjax import replay_fast, replay_keys  # they import this module
 
+  if engine == "keys" and policy not in replay_keys.KEY_POLICIES:
+    raise ValueError(
+      f"engine='keys' serves {replay_keys.KEY_POLICIES}, not {policy!r}"
+    )
+  if engine == "keys" or (
+    engine == "auto" and policy in replay_keys.KEY_POLICIES
+  ):
+    return replay_keys.replay_keys(
+      plan, policy=policy, capacities=capacities, timings=timings
+    )
   if engine == "request" or (
     engine == "auto" and policy in replay_fast.FAST_POLICIES
   ):
@@ -710,8 +724,14 @@ def _timed_run(compiled, args, compile_s: float, timings: dict | None):
 
 
 def _point(plan, policy, capacity, event_hits, filled) -> ReplayPoint:
+  """The point of ``[E]`` hit tokens per block event."""
   per_kept = np.zeros(plan.num_kept, np.int64)
   np.add.at(per_kept, plan.request, event_hits)
+  return _point_kept(plan, policy, capacity, per_kept, filled)
+
+
+def _point_kept(plan, policy, capacity, per_kept, filled) -> ReplayPoint:
+  """The point of ``[R_kept]`` hit tokens per kept request."""
   per_request = np.zeros(plan.num_requests, np.int64)
   per_request[plan.kept] = per_kept
   total = plan.measured_tokens

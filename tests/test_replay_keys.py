@@ -1,0 +1,168 @@
+"""The keys-and-counts replay engine against the model and the other engines.
+
+``prefixjax.replay_keys`` must give the same points as the plain-Python
+model of kvcache-simulator (``tests/reference_models/kvcache_sim.py``) and
+the per-event engine (``replay(engine="event")``), request for request,
+on random hash-id traces with heavy sharing, at tight and roomy capacities
+and at every capacity of a dense sweep, with requests cut into chunks of
+several widths, and on the published Mooncake points.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from reference_models import kvcache_sim, shared_trace, shared_traces_dir
+from test_replay import MOONCAKE, PUBLISHED
+from test_replay_fast import _random_trace, _same
+
+from prefixjax import replay as rp
+from prefixjax.replay_keys import KEY_POLICIES, lru_hit_capacities, replay_keys
+from prefixjax.workloads import load_mooncake
+
+
+def _plan(rng, num_requests):
+  block_size = int(rng.integers(1, 9))
+  hash_ids, lengths = _random_trace(rng, num_requests, block_size)
+  warmup = float(rng.choice([0.0, 0.25, 0.5]))
+  plan = rp.prepare_replay(
+    hash_ids, lengths, block_size=block_size, warmup_fraction=warmup
+  )
+  return plan, (hash_ids, lengths, block_size, warmup)
+
+
+def _longest(plan):
+  starts = np.flatnonzero(plan.first)
+  return int(np.diff(np.r_[starts, plan.num_events]).max())
+
+
+@pytest.mark.parametrize("width", [1, 3, 32])
+@pytest.mark.parametrize("policy", KEY_POLICIES)
+def test_matches_replay_and_model_on_random_traces(policy, width, rng):
+  for _ in range(3):
+    plan, (hash_ids, lengths, block_size, warmup) = _plan(
+      rng, int(rng.integers(5, 90))
+    )
+    # Tight capacities (below one request's blocks: lru_leaf hands those to
+    # the chain engine) and roomy ones, unsorted and repeated.
+    capacities = rng.integers(0, 30, size=6).tolist() + [0, 1, 2, 2]
+    capacities += [_longest(plan), plan.unique_blocks + 5]
+    got = replay_keys(plan, policy=policy, capacities=capacities, width=width)
+    assert [p.capacity_blocks for p in got] == capacities
+    name = rp.KVCACHE_SIM_POLICY_NAMES[policy]
+    for point in got:
+      want = kvcache_sim.simulate(
+        hash_ids, lengths, block_size, point.capacity_blocks, name, warmup
+      )
+      at = f"{policy} capacity {point.capacity_blocks}"
+      assert (
+        point.per_request_hit_tokens.tolist() == want["per_request_hit_tokens"]
+      ), at
+      assert point.hit_tokens == want["hit_tokens"], at
+      assert point.underfilled == want["underfilled"], at
+
+
+@pytest.mark.parametrize("policy", KEY_POLICIES)
+def test_every_capacity_of_a_sweep(policy, rng):
+  # One pass (lru_leaf) or one vmapped scan (belady_leaf) for every
+  # capacity from the longest request up to past the number of nodes.
+  plan, _ = _plan(rng, 120)
+  capacities = list(range(_longest(plan), plan.unique_blocks + 3))
+  _same(
+    replay_keys(plan, policy=policy, capacities=capacities),
+    rp.replay(plan, policy=policy, capacities=capacities, engine="event"),
+    policy,
+  )
+
+
+def test_lru_hit_capacities_is_the_smallest_hitting_capacity(rng):
+  plan, _ = _plan(rng, 60)
+  hit_capacity = lru_hit_capacities(plan, width=int(rng.integers(1, 9)))
+  assert hit_capacity.shape == (plan.num_events,)
+  # Blocks never seen before never hit; every other block hits from some
+  # capacity on, and that capacity never exceeds the nodes seen.
+  _, first_seen = np.unique(plan.node, return_index=True)
+  unseen = np.zeros(plan.num_events, bool)
+  unseen[first_seen] = True
+  never = np.iinfo(np.int32).max
+  assert (hit_capacity[unseen] == never).all()
+  longest = _longest(plan)
+  capacities = list(range(longest, plan.unique_blocks + 1))
+  points = rp.replay(
+    plan, policy="lru_leaf", capacities=capacities, engine="event"
+  )
+  starts = np.flatnonzero(plan.first)
+  for capacity, point in zip(capacities, points, strict=True):
+    hits_from_capacities = np.where(
+      hit_capacity <= capacity, plan.weight, 0
+    ).astype(np.int64)
+    per_kept = np.add.reduceat(hits_from_capacities, starts)
+    assert (
+      per_kept.tolist() == point.per_request_hit_tokens[plan.kept].tolist()
+    ), capacity
+
+
+def test_belady_leaf_bypasses_a_block_needed_no_sooner():
+  # As in tests/test_replay_fast.py: capacity 2, [1, 2] then [3, 4] (never
+  # used again: bypassed), [1, 5] bypasses 5 because leaf 2 is needed
+  # sooner, so [1, 2] hits both.
+  hash_ids = [[1, 2], [3, 4], [1, 5], [1, 2], [1, 5]]
+  lengths = [len(ids) for ids in hash_ids]
+  plan = rp.prepare_replay(hash_ids, lengths, block_size=1, warmup_fraction=0)
+  for width in (1, 2, 32):
+    (point,) = replay_keys(
+      plan, policy="belady_leaf", capacities=[2], width=width
+    )
+    assert point.per_request_hit_tokens.tolist() == [0, 0, 1, 2, 1], width
+
+
+def test_lru_leaf_short_capacities_use_the_chain_engine():
+  # Capacity 2 < 3 blocks: the request evicts its own insertion (see
+  # tests/test_replay_fast.py), which stack ranks cannot express.
+  hash_ids = [[1, 2, 3], [1, 2, 3], [4], [1, 2, 3, 5], [1], [1, 2], [1, 2]]
+  lengths = [len(ids) for ids in hash_ids]
+  plan = rp.prepare_replay(hash_ids, lengths, block_size=1, warmup_fraction=0)
+  got = replay_keys(plan, policy="lru_leaf", capacities=[2, 4, 1])
+  assert got[0].per_request_hit_tokens.tolist() == [0, 1, 0, 1, 1, 1, 2]
+  _same(
+    got,
+    rp.replay(plan, policy="lru_leaf", capacities=[2, 4, 1], engine="event"),
+    "lru_leaf",
+  )
+
+
+def test_bad_arguments_are_reported():
+  plan = rp.prepare_replay([[1]], [4], block_size=4)
+  with pytest.raises(ValueError, match="policy='fifo'"):
+    replay_keys(plan, policy="fifo", capacities=[1])
+  with pytest.raises(ValueError, match="must be >= 0"):
+    replay_keys(plan, policy="lru_leaf", capacities=[-1])
+  with pytest.raises(ValueError, match="width=0"):
+    replay_keys(plan, policy="belady_leaf", capacities=[1], width=0)
+  with pytest.raises(ValueError, match="width=True"):
+    lru_hit_capacities(plan, width=True)
+  with pytest.raises(ValueError, match="engine='keys' serves"):
+    rp.replay(plan, policy="fifo", capacities=[1], engine="keys")
+  with pytest.raises(ValueError, match="engine='gpu'"):
+    rp.replay(plan, policy="fifo", capacities=[1], engine="gpu")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", KEY_POLICIES)
+def test_mooncake_published_points(policy):
+  path = shared_trace(MOONCAKE)
+  if path is None:
+    pytest.skip(f"real trace {MOONCAKE} not found in {shared_traces_dir()}")
+  trace = load_mooncake(path)
+  plan = rp.prepare_replay(trace.hash_ids, trace.input_lengths, block_size=512)
+  capacities = list(PUBLISHED)
+  index = rp.REPLAY_POLICIES.index(policy)
+  got = replay_keys(plan, policy=policy, capacities=capacities)
+  assert [p.hit_tokens for p in got] == [
+    PUBLISHED[c][index] for c in capacities
+  ]
+  _same(
+    got,
+    rp.replay(plan, policy=policy, capacities=capacities, engine="request"),
+    policy,
+  )
