@@ -31,8 +31,16 @@ modelled in plain Python in ``tests/reference_models/kvcache_sim.py``) are:
   away, unless the block being inserted is needed no later (then nothing
   is evicted and the request stops inserting).
 
-Data structures (``V`` = trie nodes + 1, ``E`` = block events, ``C`` =
-capacity):
+Three engines give equal hits (``replay(engine=...)``): this module's,
+one scan step per block event, which models the cache itself and is the
+reference the others are tested against; :mod:`prefixjax.replay_fast`, a
+request's blocks per step (the default for ``fifo``); and
+:mod:`prefixjax.replay_keys`, which keeps only the keys that order the
+nodes (the default for ``lru_leaf``, as stack distances good for every
+capacity at once, and ``belady_leaf``, as counts per next-use key).
+
+This module's data structures (``V`` = trie nodes + 1, ``E`` = block
+events, ``C`` = capacity):
 
 * Both leaf policies keep, per node, its cached-children count (-1 when
   not cached) and its key, and the set of evictable leaves as a

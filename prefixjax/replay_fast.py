@@ -7,7 +7,9 @@ request): where ``replay`` spends one scan step per block event, this
 engine serves ``W`` blocks of a request per step in a few ``[W]``-wide
 vectorised operations, after the design of :mod:`prefixjax.vllm_replay`
 (a request longer than ``W`` blocks takes several consecutive steps). The
-scan is ``vmap``-ed over capacities.
+scan is ``vmap``-ed over capacities. ``replay`` uses it for ``fifo``, and
+for ``lru_leaf`` capacities below the longest request; the leaf policies
+otherwise go to :mod:`prefixjax.replay_keys`, which needs no trie.
 
 ``fifo`` (kvcache-simulator's ``fifo``): a flat set plus an insertion
 queue; every block of the request not cached (in order) is inserted,

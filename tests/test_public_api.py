@@ -27,6 +27,9 @@ def test_all_is_sorted_and_resolves():
   [
     "prefixjax",
     "prefixjax.paging",
+    "prefixjax.replay",
+    "prefixjax.replay_fast",
+    "prefixjax.replay_keys",
     "prefixjax.serving_replay",
     "prefixjax.sglang_replay",
     "prefixjax.workloads.synthetic",
