@@ -52,7 +52,8 @@ parent:
   one loop round per bucket (usually one: the never-used bucket). The
   request's own blocks have keys no later than the block being inserted,
   so they never qualify, which is kvcache-simulator's protected path. The
-  largest nonempty key is found through a count per 32 keys.
+  largest nonempty key is found through counts per 32 keys, per 1,024 keys
+  and so on (a 32-wide read per level).
   Which of several never-used leaves is evicted does not change any hit,
   so keys alone decide the hits; this holds at every capacity.
 
@@ -89,7 +90,7 @@ _NONE = -1
 _UNSEEN = np.iinfo(np.int32).max  # the rank of a node never seen before
 _CAPACITIES = "capacities"  # the vmap axis of the belady_leaf scan
 _WIDTH = 32  # blocks per scan step (16 to 64 measure alike on Mooncake)
-_BUCKET = 32  # keys per count of the belady_leaf top search
+_FAN = 32  # keys per count one level up (the belady_leaf top search)
 
 
 def _chunks(plan: ReplayPlan, width: int):
@@ -187,15 +188,33 @@ def _ranks(xs, *, num_nodes, num_events):
 # belady_leaf: a count per next-use key.
 
 
-def _top_key(count, bucket):
-  """The largest key with a nonzero count, or -1 (two small reductions)."""
+def _levels(num_keys):
+  """Sizes of the count levels: per key, per 32 keys, ..., the top <= 32."""
+  sizes = [num_keys]
+  while sizes[-1] > _FAN:
+    sizes.append(-(-sizes[-1] // _FAN))
+  return sizes
+
+
+def _top_key(levels):
+  """The largest key with a nonzero count, or -1: one reduction over the
+  top level, then a 32-wide gather per level below it."""
   i32 = jnp.int32
-  blocks = jnp.arange(bucket.shape[0], dtype=i32)
-  top_block = jnp.max(jnp.where(bucket > 0, blocks, -1))
-  keys = top_block * _BUCKET + jnp.arange(_BUCKET, dtype=i32)
-  row = gather(count, keys)
-  top = jnp.max(jnp.where(row > 0, keys, -1))
-  return jnp.where(top_block >= 0, top, -1)
+  top = levels[-1]
+  at = jnp.max(jnp.where(top > 0, jnp.arange(top.shape[0], dtype=i32), -1))
+  for level in reversed(levels[:-1]):
+    keys = jnp.maximum(at, 0) * _FAN + jnp.arange(_FAN, dtype=i32)
+    row = gather(level, keys)
+    at = jnp.where(at >= 0, jnp.max(jnp.where(row > 0, keys, -1)), -1)
+  return at
+
+
+def _add(levels, idx, delta, mask):
+  """Adds ``delta`` at keys ``idx`` (where ``mask``) on every level."""
+  return tuple(
+    scatter_add(level, idx // _FAN**i, delta, mask)
+    for i, level in enumerate(levels)
+  )
 
 
 def _belady_step(s, x, *, capacity):
@@ -207,7 +226,7 @@ def _belady_step(s, x, *, capacity):
   valid = keys >= 0
   # The request's hits: every cached node keyed by it (read once, at its
   # first chunk, before anything moves).
-  (own,) = barrier(request, gather(s["count"], request[None]))
+  (own,) = barrier(request, gather(s["levels"][0], request[None]))
   hit_n = jnp.where(first, own[0], s["hit_n"])
   stop = s["stop"] & ~first
   hit = valid & (offset + col < hit_n)
@@ -220,26 +239,23 @@ def _belady_step(s, x, *, capacity):
   incoming = keys[jnp.clip(lead + free + col, 0, width - 1)]
 
   def evict_bucket(carry):
-    count, bucket, taken, go = carry
-    top = _top_key(count, bucket)
-    (in_top,) = barrier(top, gather(count, top[None]))
+    levels, taken, go = carry
+    top = _top_key(levels)
+    (in_top,) = barrier(top, gather(levels[0], top[None]))
     later = (col >= taken) & (col < need) & (incoming < top)
     take = jnp.where(
       go & (top >= 0), jnp.minimum(in_top[0], jnp.sum(later.astype(i32))), 0
     )
-    count = scatter_add(count, top[None], -take, take > 0)
-    bucket = scatter_add(bucket, (top // _BUCKET)[None], -take, take > 0)
+    levels = _add(levels, top[None], -take, take > 0)
     # An emptied bucket may leave victims for the next one down.
     go = go & (take > 0) & (take == in_top[0]) & (taken + take < need)
-    return count, bucket, taken + take, go
+    return levels, taken + take, go
 
   def evicting(carry):
-    return jax.lax.pmax(carry[3].astype(i32), _CAPACITIES) > 0
+    return jax.lax.pmax(carry[2].astype(i32), _CAPACITIES) > 0
 
-  count, bucket, evicted, _ = jax.lax.while_loop(
-    evicting,
-    evict_bucket,
-    (s["count"], s["bucket"], i32(0), need > 0),
+  levels, evicted, _ = jax.lax.while_loop(
+    evicting, evict_bucket, (s["levels"], i32(0), need > 0)
   )
   inserted = jnp.minimum(misses, free + evicted)
   placed = miss & (col < lead + inserted)
@@ -249,12 +265,10 @@ def _belady_step(s, x, *, capacity):
   idx = jnp.concatenate([keys, request[None]])
   delta = jnp.concatenate([moved.astype(i32), -own * first.astype(i32)])
   mask = jnp.concatenate([moved, first[None]])
-  count = scatter_add(count, idx, delta, mask)
-  bucket = scatter_add(bucket, idx // _BUCKET, delta, mask)
+  levels = _add(levels, idx, delta, mask)
   size = s["size"] + inserted - evicted
   s = {
-    "count": count,
-    "bucket": bucket,
+    "levels": levels,
     "size": size,
     "hit_n": hit_n,
     "stop": stop | (inserted < misses),
@@ -267,12 +281,10 @@ def _belady_step(s, x, *, capacity):
 def _belady_all(xs, capacities, *, num_keys):
   """``[C, S]`` hit blocks per chunk and ``[C]`` filled flags."""
   i32 = jnp.int32
-  num_buckets = -(-num_keys // _BUCKET)
 
   def run(capacity):
     s = {
-      "count": jnp.zeros((num_buckets * _BUCKET,), i32),
-      "bucket": jnp.zeros((num_buckets,), i32),
+      "levels": tuple(jnp.zeros((n,), i32) for n in _levels(num_keys)),
       "size": i32(0),
       "hit_n": i32(0),
       "stop": jnp.bool_(False),
