@@ -6,12 +6,15 @@ Runs the 12 published points (fifo / lru / optimal x capacities 1,827 /
 
 * kvcache-simulator 0.1.3's Python backend (``simulate_policy``),
 * its C++ backend (``run_cpp_sweep``; compiled on first use, not timed),
-* prefixjax (one jitted scan per policy, vmapped over the 4 capacities;
-  compile time reported separately),
+* prefixjax (``replay``'s default engines: ``fifo`` one jitted scan
+  vmapped over the 4 capacities, ``lru_leaf`` one pass of stack distances
+  for all of them, ``belady_leaf`` one scan of per-key counts vmapped over
+  them; compile time reported separately),
 
 prints the hit tokens side by side (they must be equal) and the time ratios,
-then measures how the cost of a vmapped program grows with the number of
-configurations (1 vs 256 capacities) on a prefix of the trace.
+then measures how the cost grows with the number of configurations (1 vs
+256 capacities, from the longest request's blocks up, so ``lru_leaf`` stays
+on its stack-distance engine) on a prefix of the trace.
 
 Usage::
 
@@ -105,11 +108,14 @@ def _ours(trace):
 def _scaling(trace, num_requests):
   small = trace.slice(0, num_requests)
   plan = rp.prepare_replay(small.hash_ids, small.input_lengths, block_size=512)
+  starts = np.flatnonzero(plan.first)
+  longest = int(np.diff(np.r_[starts, plan.num_events]).max())
+  low = max(50, longest)
   rows = []
   for policy in POLICIES:
     row = {"policy": policy}
     for configs in (1, 256):
-      caps = np.linspace(50, plan.unique_blocks, configs).astype(int).tolist()
+      caps = np.linspace(low, plan.unique_blocks, configs).astype(int).tolist()
       rp.replay(plan, policy=policy, capacities=caps)  # compile
       timings = {}
       rp.replay(plan, policy=policy, capacities=caps, timings=timings)
@@ -197,7 +203,9 @@ def main(argv=None):
       f"kvcache-simulator c++:    {cpp_s:.2f} s -> prefixjax is "
       f"{cpp_s / total_run:.2f}x faster (target > 1x)"
     )
-  print(f"\nvmap scaling on the first {args.scaling_requests} requests:")
+  print(
+    f"\nscaling, 1 vs 256 capacities, first {args.scaling_requests} requests:"
+  )
   _, scaling = _scaling(trace, args.scaling_requests)
   if args.json:
     with open(args.json, "w") as f:
