@@ -108,12 +108,11 @@ _CAPACITIES = "capacities"  # the vmap axis (eviction loops sync across it)
 _WIDTH = 32  # blocks per scan step (16 to 64 measure alike on Mooncake)
 
 
-def _chunk_rows(plan: ReplayPlan, width: int):
-  """Requests cut into ``[S, W]`` chunks of nodes (-1 padded).
+def chunks(plan: ReplayPlan, width: int):
+  """Requests cut into ``[S, W]`` chunks of event indices (-1 padded).
 
-  Returns the chunk rows, ``[S]`` whether each chunk starts its request,
-  ``[S]`` each chunk's kept request, and ``[E]`` each event's column in
-  its request.
+  Returns the rows, ``[S]`` whether each chunk starts its request, ``[S]``
+  each chunk's kept request and ``[S]`` its first column in the request.
   """
   starts = np.flatnonzero(plan.first)
   lengths = np.diff(np.r_[starts, plan.num_events])
@@ -122,12 +121,35 @@ def _chunk_rows(plan: ReplayPlan, width: int):
   first_chunk = np.cumsum(per_request) - per_request
   chunk = first_chunk[plan.request] + cols // width
   num_chunks = int(per_request.sum())
-  nodes = np.full((num_chunks, width), _NONE, np.int32)
-  nodes[chunk, cols % width] = plan.node
-  first = np.zeros(num_chunks, bool)
-  first[first_chunk] = True
+  rows = np.full((num_chunks, width), _NONE, np.int32)
+  rows[chunk, cols % width] = np.arange(plan.num_events)
   request = np.repeat(np.arange(plan.num_kept), per_request)
-  return nodes, first, request.astype(np.int32), cols
+  offset = (np.arange(num_chunks) - first_chunk[request]) * width
+  return rows, offset == 0, request.astype(np.int32), offset.astype(np.int32)
+
+
+def column(rows: np.ndarray, per_event: np.ndarray) -> np.ndarray:
+  """``[S, W]`` int32: ``per_event`` at each chunk cell (-1 padded)."""
+  out = np.full(rows.shape, _NONE, np.int32)
+  out[rows >= 0] = per_event[rows[rows >= 0]]
+  return out
+
+
+def chunk_points(plan, policy, capacities, request, hits, filled):
+  """Points from ``[C, S]`` hit blocks per chunk (a request's hits are its
+  first blocks) and ``[C]`` filled flags."""
+  starts = np.flatnonzero(plan.first)
+  lengths = np.diff(np.r_[starts, plan.num_events])
+  cols = np.arange(plan.num_events) - np.repeat(starts, lengths)
+  hits = np.asarray(hits, np.int64)
+  filled = np.asarray(filled)
+  points = []
+  for i, capacity in enumerate(capacities):
+    per_kept = np.zeros(plan.num_kept, np.int64)
+    np.add.at(per_kept, request, hits[i])
+    event_hits = np.where(cols < per_kept[plan.request], plan.weight, 0)
+    points.append(_point(plan, policy, capacity, event_hits, bool(filled[i])))
+  return points
 
 
 def _fifo_step(s, x, *, capacity):
@@ -503,7 +525,8 @@ def replay_fast(
   capacities, clipped = _capacities(plan, capacities)
   if isinstance(width, bool) or not isinstance(width, int) or width < 1:
     raise ValueError(f"width={width!r} must be an int >= 1")
-  nodes, first, request, cols = _chunk_rows(plan, width)
+  rows, first, request, _ = chunks(plan, width)
+  nodes = column(rows, plan.node)
   warm = request < plan.warmup_requests
   # Per column: its event index, the event and the request of its node's
   # next use (never: num_events and num_kept + 1; -1 padded). Per event:
@@ -515,11 +538,10 @@ def replay_fast(
   order = np.lexsort((np.arange(plan.num_events), plan.node))
   same = plan.node[order][1:] == plan.node[order][:-1]
   use_ev[order[:-1]] = np.where(same, order[1:], plan.num_events)
-  columns = []
-  for per_event in (np.arange(plan.num_events), use_ev, plan.next_use):
-    column = np.full(nodes.shape, _NONE, np.int32)
-    column[nodes >= 0] = per_event
-    columns.append(column)
+  columns = [
+    column(rows, per_event)
+    for per_event in (np.arange(plan.num_events), use_ev, plan.next_use)
+  ]
   xs = tuple(jnp.asarray(a) for a in (nodes, first, warm, *columns))
   ev_req = np.r_[plan.request, plan.num_kept + 1]
   consts = tuple(
@@ -540,12 +562,4 @@ def replay_fast(
     time.perf_counter() - start,
     timings,
   )
-  hits = np.asarray(hits, np.int64)
-  filled = np.asarray(filled)
-  points = []
-  for i, capacity in enumerate(capacities):
-    per_kept = np.zeros(plan.num_kept, np.int64)
-    np.add.at(per_kept, request, hits[i])
-    event_hits = np.where(cols < per_kept[plan.request], plan.weight, 0)
-    points.append(_point(plan, policy, capacity, event_hits, bool(filled[i])))
-  return points
+  return chunk_points(plan, policy, capacities, request, hits, filled)

@@ -71,15 +71,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from prefixjax import replay_fast
 from prefixjax.paging import barrier, gather, scatter, scatter_add
 from prefixjax.replay import (
   ReplayPlan,
   ReplayPoint,
   _capacities,
-  _point,
   _point_kept,
   _timed_run,
 )
+from prefixjax.replay_fast import chunk_points, chunks, column
 
 __all__ = ["KEY_POLICIES", "lru_hit_capacities", "replay_keys"]
 
@@ -91,33 +92,6 @@ _UNSEEN = np.iinfo(np.int32).max  # the rank of a node never seen before
 _CAPACITIES = "capacities"  # the vmap axis of the belady_leaf scan
 _WIDTH = 32  # blocks per scan step (16 to 64 measure alike on Mooncake)
 _FAN = 32  # keys per count one level up (the belady_leaf top search)
-
-
-def _chunks(plan: ReplayPlan, width: int):
-  """Requests cut into ``[S, W]`` chunks of event indices (-1 padded).
-
-  Returns the rows, ``[S]`` whether each chunk starts its request, ``[S]``
-  each chunk's kept request and ``[S]`` its first column in the request.
-  """
-  starts = np.flatnonzero(plan.first)
-  lengths = np.diff(np.r_[starts, plan.num_events])
-  cols = np.arange(plan.num_events) - np.repeat(starts, lengths)
-  per_request = -(-lengths // width)
-  first_chunk = np.cumsum(per_request) - per_request
-  chunk = first_chunk[plan.request] + cols // width
-  num_chunks = int(per_request.sum())
-  rows = np.full((num_chunks, width), _NONE, np.int32)
-  rows[chunk, cols % width] = np.arange(plan.num_events)
-  request = np.repeat(np.arange(plan.num_kept), per_request)
-  offset = (np.arange(num_chunks) - first_chunk[request]) * width
-  first = offset == 0
-  return rows, first, request.astype(np.int32), offset.astype(np.int32)
-
-
-def _column(rows, per_event, fill=_NONE):
-  out = np.full(rows.shape, fill, np.int32)
-  out[rows >= 0] = per_event[rows[rows >= 0]]
-  return out
 
 
 # ---------------------------------------------------------------------------
@@ -321,7 +295,7 @@ def lru_hit_capacities(
   """
   if isinstance(width, bool) or not isinstance(width, int) or width < 1:
     raise ValueError(f"width={width!r} must be an int >= 1")
-  rows, first, request, _ = _chunks(plan, width)
+  rows, first, request, _ = chunks(plan, width)
   starts = np.flatnonzero(plan.first)
   lengths = np.diff(np.r_[starts, plan.num_events])
   # Linear time: request r fills positions start(r) .. start(r) + n - 1,
@@ -329,8 +303,8 @@ def lru_hit_capacities(
   ends = np.repeat(2 * starts + lengths - 1, lengths)
   position = (ends - np.arange(plan.num_events)).astype(np.int32)
   xs = (
-    jnp.asarray(_column(rows, plan.node)),
-    jnp.asarray(_column(rows, position)),
+    jnp.asarray(column(rows, plan.node)),
+    jnp.asarray(column(rows, position)),
     jnp.asarray(first),
     jnp.asarray(starts[request].astype(np.int32)),
   )
@@ -370,9 +344,9 @@ def _lru_points(plan, capacities, hit_capacity) -> list[ReplayPoint]:
 
 
 def _belady_points(plan, capacities, clipped, width, timings):
-  rows, first, request, offset = _chunks(plan, width)
+  rows, first, request, offset = chunks(plan, width)
   xs = (
-    jnp.asarray(_column(rows, plan.next_use)),
+    jnp.asarray(column(rows, plan.next_use)),
     jnp.asarray(first),
     jnp.asarray(request),
     jnp.asarray(offset),
@@ -388,20 +362,7 @@ def _belady_points(plan, capacities, clipped, width, timings):
     time.perf_counter() - start,
     timings,
   )
-  hits, filled = np.asarray(hits, np.int64), np.asarray(filled)
-  starts = np.flatnonzero(plan.first)
-  cols = np.arange(plan.num_events) - np.repeat(
-    starts, np.diff(np.r_[starts, plan.num_events])
-  )
-  points = []
-  for i, capacity in enumerate(capacities):
-    per_kept = np.zeros(plan.num_kept, np.int64)
-    np.add.at(per_kept, request, hits[i])
-    event_hits = np.where(cols < per_kept[plan.request], plan.weight, 0)
-    points.append(
-      _point(plan, "belady_leaf", capacity, event_hits, bool(filled[i]))
-    )
-  return points
+  return chunk_points(plan, "belady_leaf", capacities, request, hits, filled)
 
 
 def replay_keys(
@@ -444,8 +405,6 @@ def replay_keys(
     raise ValueError(f"width={width!r} must be an int >= 1")
   if policy == "belady_leaf":
     return _belady_points(plan, capacities, clipped, width, timings)
-  from prefixjax import replay_fast  # it imports prefixjax.replay
-
   starts = np.flatnonzero(plan.first)
   longest = int(np.diff(np.r_[starts, plan.num_events]).max())
   stack = [i for i, c in enumerate(capacities) if c >= longest]
