@@ -149,13 +149,19 @@ def test_bad_arguments_are_reported():
     rp.replay(plan, policy="fifo", capacities=[-1])
 
 
-@pytest.mark.slow
-def test_mooncake_published_points():
+def mooncake_plan():
+  """The Mooncake trace and its block-512 plan, or skip when it is absent."""
   path = shared_trace(MOONCAKE)
   if path is None:
     pytest.skip(f"real trace {MOONCAKE} not found in {shared_traces_dir()}")
   trace = load_mooncake(path)
   plan = rp.prepare_replay(trace.hash_ids, trace.input_lengths, block_size=512)
+  return trace, plan
+
+
+@pytest.mark.slow
+def test_mooncake_published_points():
+  trace, plan = mooncake_plan()
   capacities = list(PUBLISHED)
   for index, policy in enumerate(rp.REPLAY_POLICIES):
     points = rp.replay(plan, policy=policy, capacities=capacities)

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import pytest
 import test_replay
-from reference_models import kvcache_sim, shared_trace, shared_traces_dir
-from test_replay import MOONCAKE, PUBLISHED
+from reference_models import kvcache_sim
+from test_replay import PUBLISHED, mooncake_plan
 
 from prefixjax import replay as rp
 from prefixjax.replay_fast import FAST_POLICIES, replay_fast
-from prefixjax.workloads import load_mooncake
 
 
 def _random_trace(rng, num_requests, block_size):
@@ -180,11 +179,7 @@ def test_bad_arguments_are_reported():
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", FAST_POLICIES)
 def test_mooncake_published_points(policy):
-  path = shared_trace(MOONCAKE)
-  if path is None:
-    pytest.skip(f"real trace {MOONCAKE} not found in {shared_traces_dir()}")
-  trace = load_mooncake(path)
-  plan = rp.prepare_replay(trace.hash_ids, trace.input_lengths, block_size=512)
+  _, plan = mooncake_plan()
   capacities = list(PUBLISHED)
   index = rp.REPLAY_POLICIES.index(policy)
   got = replay_fast(plan, policy=policy, capacities=capacities)

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from reference_models import kvcache_sim, shared_trace, shared_traces_dir
-from test_replay import MOONCAKE, PUBLISHED
+from reference_models import kvcache_sim
+from test_replay import PUBLISHED, mooncake_plan
 from test_replay_fast import _random_trace, _same
 
 from prefixjax import replay as rp
 from prefixjax.replay_keys import KEY_POLICIES, lru_hit_capacities, replay_keys
-from prefixjax.workloads import load_mooncake
 
 
 def _plan(rng, num_requests):
@@ -150,11 +149,7 @@ def test_bad_arguments_are_reported():
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", KEY_POLICIES)
 def test_mooncake_published_points(policy):
-  path = shared_trace(MOONCAKE)
-  if path is None:
-    pytest.skip(f"real trace {MOONCAKE} not found in {shared_traces_dir()}")
-  trace = load_mooncake(path)
-  plan = rp.prepare_replay(trace.hash_ids, trace.input_lengths, block_size=512)
+  _, plan = mooncake_plan()
   capacities = list(PUBLISHED)
   index = rp.REPLAY_POLICIES.index(policy)
   got = replay_keys(plan, policy=policy, capacities=capacities)
