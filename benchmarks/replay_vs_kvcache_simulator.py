@@ -8,8 +8,8 @@ Runs the 12 published points (fifo / lru / optimal x capacities 1,827 /
 * its C++ backend (``run_cpp_sweep``; compiled on first use, not timed),
 * prefixjax (``replay``'s default engines: ``fifo`` one jitted scan
   vmapped over the 4 capacities, ``lru_leaf`` one pass of stack distances
-  for all of them, ``belady_leaf`` one scan of per-key counts vmapped over
-  them; compile time reported separately),
+  for all of them, ``belady_leaf`` one scan of per-key counts with the
+  capacities as an array axis; compile time reported separately),
 
 prints the hit tokens side by side (they must be equal) and the time ratios,
 then measures how the cost grows with the number of configurations (1 vs

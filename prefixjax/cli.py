@@ -5,7 +5,7 @@ Subcommands:
 * ``demo``: parallel sampling through the paging core, by block size, on a
   built-in generated workload (no files needed).
 * ``replay``: hit-rate replay of a trace (or the built-in workload) through
-  caches of several capacities and policies, one vmapped program per policy.
+  caches of several capacities and policies, one compiled program per policy.
 
 Bad arguments and bad input files exit with status 2 and a one-line message;
 ``--debug`` shows the traceback instead.
@@ -144,7 +144,7 @@ def _add_replay(subparsers) -> None:
     description=(
       "Replays a trace one request at a time through a cache of each "
       "--capacity (in blocks) under each --policy, as one jitted scan "
-      "vmapped over the capacities, and prints hit tokens per point. "
+      "per policy serving every capacity, and prints hit tokens per point. "
       "Without --trace, replays the built-in generated workload."
     ),
   )

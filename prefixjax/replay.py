@@ -644,7 +644,7 @@ def replay(
   timings: dict | None = None,
   engine: str = "auto",
 ) -> list[ReplayPoint]:
-  """Replays ``plan`` at every capacity in one vmapped program.
+  """Replays ``plan`` at every capacity in one compiled program.
 
   Args:
     plan: from :func:`prepare_replay`.
@@ -656,8 +656,9 @@ def replay(
       step, for the policies in its ``FAST_POLICIES``), ``"keys"``
       (:mod:`prefixjax.replay_keys`: ``lru_leaf`` as stack distances, every
       capacity in one pass, and ``belady_leaf`` as counts per next-use
-      key) or ``"auto"`` (``"keys"`` for the leaf policies, ``"request"``
-      for ``fifo``). All give equal hits.
+      key, every capacity a column of one array) or ``"auto"``
+      (``"keys"`` for the leaf policies, ``"request"`` for ``fifo``). All
+      give equal hits.
 
   Returns:
     One :class:`ReplayPoint` per capacity, in order.

@@ -42,23 +42,34 @@ parent:
   victim's key is the cache's largest, and the hits of request ``r`` are
   exactly the cached nodes with key ``r`` (its blocks seen before that are
   still cached: a prefix of the request, since ties are evicted deepest
-  first). The cache is then a multiset of keys: a count per key. A
-  request reads its hits (the count at its own index), moves them to their
-  next uses, and inserts its missing blocks in order, each evicting one
-  largest key when the cache is full, as long as that key is later than
-  the block's own (else the Belady bypass stops the request). The missing
-  blocks' keys never decrease along the request, and the victims' never
-  increase, so the victims of a step are a run of buckets from the top:
-  one loop round per bucket (usually one: the never-used bucket). The
-  request's own blocks have keys no later than the block being inserted,
-  so they never qualify, which is kvcache-simulator's protected path. The
-  largest nonempty key is found through counts per 32 keys, per 1,024 keys
-  and so on (a 32-wide read per level).
-  Which of several never-used leaves is evicted does not change any hit,
-  so keys alone decide the hits; this holds at every capacity.
+  first). The cache is then a multiset of keys: a count per key.
+  Sequentially, request ``r`` moves its hits to their next uses and
+  inserts its missing blocks in order, each evicting one largest key when
+  the cache is full as long as that key is later than the block's own
+  (else the Belady bypass stops the request). The missing blocks' keys
+  never decrease along the request and its hits' are no later than
+  theirs, so the cache after the request is simply the ``capacity``
+  smallest keys of (the cache less bucket ``r``) plus all the request's
+  keys: empty bucket ``r`` (its count is the hits), add the keys, drop
+  the largest while over capacity. Which of several equal keys stays
+  changes no count, and "add, then drop the largest" composes, so a
+  request with many distinct keys may take several steps (``U`` distinct
+  keys each).
 
-Dimensions: ``S`` steps (request chunks), ``W`` blocks per step, ``C``
-capacities, ``E`` block events, ``K`` keys (kept requests + 2).
+  Only the dropping depends on the capacity, so every capacity lives in
+  one array, capacity-minor: ``[K, C]`` counts, where a request's bucket
+  and its keys are whole-row writes. A capacity over its size gives up
+  its never-used count first, then its largest finite buckets, one bucket
+  per loop round (0.4 rounds per step on the Mooncake trace's first 1,500
+  requests at 256 capacities). Each capacity's largest nonempty key is
+  kept, and the next one below found through a bitmap per capacity (a bit
+  per key, per 32 keys, ...: a word read per level). The cache holds
+  every node seen until it first fills, so it filled in warm-up iff the
+  warm-up requests saw at least ``capacity`` nodes.
+
+Dimensions: ``S`` steps, ``W`` blocks per step (``lru_leaf``), ``U``
+distinct keys per step (``belady_leaf``), ``C`` capacities, ``E`` block
+events, ``K`` keys (kept requests).
 """
 
 from __future__ import annotations
@@ -89,9 +100,9 @@ KEY_POLICIES = ("lru_leaf", "belady_leaf")
 
 _NONE = -1
 _UNSEEN = np.iinfo(np.int32).max  # the rank of a node never seen before
-_CAPACITIES = "capacities"  # the vmap axis of the belady_leaf scan
 _WIDTH = 32  # blocks per scan step (16 to 64 measure alike on Mooncake)
-_FAN = 32  # keys per count one level up (the belady_leaf top search)
+_KEYS_PER_STEP = 4  # belady_leaf: distinct next uses per scan step
+_FAN = 32  # bits per bitmap word (the belady_leaf top search)
 
 
 # ---------------------------------------------------------------------------
@@ -159,116 +170,170 @@ def _ranks(xs, *, num_nodes, num_events):
 
 
 # ---------------------------------------------------------------------------
-# belady_leaf: a count per next-use key.
+# belady_leaf: a count per next-use key, every capacity in one array.
 
 
-def _levels(num_keys):
-  """Sizes of the count levels: per key, per 32 keys, ..., the top <= 32."""
-  sizes = [num_keys]
-  while sizes[-1] > _FAN:
+def _words_per_level(num_keys):
+  """Words of each bitmap level: a bit per key, a bit per word below, ...,
+  one word on top."""
+  sizes = [-(-max(num_keys, 1) // _FAN)]
+  while sizes[-1] > 1:
     sizes.append(-(-sizes[-1] // _FAN))
   return sizes
 
 
-def _top_key(levels):
-  """The largest key with a nonzero count, or -1: one reduction over the
-  top level, then a 32-wide gather per level below it."""
+def _bit(b):
+  return jnp.left_shift(jnp.uint32(1), b.astype(jnp.uint32))
+
+
+def _high_bit(w):
+  """The highest set bit of each word (0 for an empty word)."""
+  w = jnp.where(w != 0, w, jnp.uint32(1))
+  return 31 - jax.lax.clz(w).astype(jnp.int32)
+
+
+def _cells(x, rows, fill=0):
+  """``x[rows[c], c]`` for every capacity ``c`` (``[C]``)."""
+  n = x.shape[0]
+  safe = jnp.where((rows >= 0) & (rows < n), rows, n)
+  col = jnp.arange(x.shape[1], dtype=jnp.int32)
+  return x.at[safe, col].get(mode="fill", fill_value=fill)
+
+
+def _set_cells(x, rows, values, mask):
+  n = x.shape[0]
+  safe = jnp.where(mask & (rows >= 0) & (rows < n), rows, n)
+  col = jnp.arange(x.shape[1], dtype=jnp.int32)
+  return x.at[safe, col].set(values, mode="drop")
+
+
+def _trim_round(carry):
+  """Takes victims from every capacity's largest finite key (one bucket);
+  an emptied bucket's bit is cleared and the next largest key found.
+
+  The next key is the largest set bit below the old one: the old key's
+  path words (read anyway, to clear it) masked below it say at which level
+  that key branches off; one word read per level below finds it.
+  """
+  counts, bm, top, rem = carry
+  levels = len(bm)
   i32 = jnp.int32
-  top = levels[-1]
-  at = jnp.max(jnp.where(top > 0, jnp.arange(top.shape[0], dtype=i32), -1))
-  for level in reversed(levels[:-1]):
-    keys = jnp.maximum(at, 0) * _FAN + jnp.arange(_FAN, dtype=i32)
-    row = gather(level, keys)
-    at = jnp.where(at >= 0, jnp.max(jnp.where(row > 0, keys, -1)), -1)
-  return at
 
+  def reads():
+    path = [_cells(bm[lv], top >> (5 * (lv + 1))) for lv in range(levels)]
+    return _cells(counts, top), path, top
 
-def _add(levels, idx, delta, mask):
-  """Adds ``delta`` at keys ``idx`` (where ``mask``) on every level."""
-  return tuple(
-    scatter_add(level, idx // _FAN**i, delta, mask)
-    for i, level in enumerate(levels)
+  count, path, top = barrier(top[0], *reads())
+  active = (rem > 0) & (top >= 0)
+  take = jnp.where(active, jnp.minimum(count, rem), 0)
+  emptied = active & (take == count)
+  counts = _set_cells(counts, top, count - take, active)
+  # Clear the emptied key's bit (and each word above that empties), and
+  # mask every path word below the key's own branch.
+  cleared, below = [], []
+  going = emptied
+  for lv in range(levels):
+    bit = _bit((top >> (5 * lv)) & 31)
+    word = jnp.where(going, path[lv] & ~bit, path[lv])
+    cleared.append(word)
+    below.append(path[lv] & (bit - 1))
+    going = going & (word == 0)
+  branch = jnp.full(top.shape, levels, i32)  # the lowest nonzero `below`
+  for lv in reversed(range(levels)):
+    branch = jnp.where(below[lv] != 0, lv, branch)
+  # Down from the branch: its highest bit below the path, then each word's
+  # highest bit (words left of the path: no write of this round touches
+  # them).
+  nxt = jnp.full(top.shape, -1, i32)
+  for lv in reversed(range(levels)):
+    here = (top >> (5 * (lv + 1))) * _FAN + _high_bit(below[lv])
+    if lv < levels - 1:
+      down = nxt * _FAN + _high_bit(_cells(bm[lv], nxt))
+    else:
+      down = nxt
+    nxt = jnp.where(branch == lv, here, jnp.where(branch > lv, down, nxt))
+  nxt = jnp.where(branch < levels, nxt, -1)
+  bm = tuple(
+    _set_cells(bm[lv], top >> (5 * (lv + 1)), cleared[lv], emptied)
+    for lv in range(levels)
   )
+  return counts, bm, jnp.where(emptied, nxt, top), rem - take
 
 
-def _belady_step(s, x, *, capacity):
-  """One chunk under ``belady_leaf`` at one capacity; returns its hits."""
-  keys, first, request, offset, warm = x
-  i32 = jnp.int32
-  width = keys.shape[0]
-  col = jnp.arange(width, dtype=i32)
-  valid = keys >= 0
-  # The request's hits: every cached node keyed by it (read once, at its
-  # first chunk, before anything moves).
-  (own,) = barrier(request, gather(s["levels"][0], request[None]))
-  hit_n = jnp.where(first, own[0], s["hit_n"])
-  stop = s["stop"] & ~first
-  hit = valid & (offset + col < hit_n)
-  miss = valid & ~hit & ~stop
-  misses = jnp.sum(miss.astype(i32))
-  lead = jnp.clip(hit_n - offset, 0, width)  # the chunk's first miss
-  free = jnp.maximum(capacity - s["size"], 0)
-  need = jnp.maximum(misses - free, 0)
-  # Victim v makes room for the miss free + v, whose key it must exceed.
-  incoming = keys[jnp.clip(lead + free + col, 0, width - 1)]
+def _belady_step(s, x, *, capacities):
+  """One step of a request at every capacity; returns its hit blocks.
 
-  def evict_bucket(carry):
-    levels, taken, go = carry
-    top = _top_key(levels)
-    (in_top,) = barrier(top, gather(levels[0], top[None]))
-    later = (col >= taken) & (col < need) & (incoming < top)
-    take = jnp.where(
-      go & (top >= 0), jnp.minimum(in_top[0], jnp.sum(later.astype(i32))), 0
-    )
-    levels = _add(levels, top[None], -take, take > 0)
-    # An emptied bucket may leave victims for the next one down.
-    go = go & (take > 0) & (take == in_top[0]) & (taken + take < need)
-    return levels, taken + take, go
+  The request's bucket is its hits (read at its first step, then never
+  again: every later key is a later request, so the bucket and its bit
+  are simply left behind; a search from a live key never reaches them).
+  The step's keys join every capacity, and each capacity over its size
+  gives up its largest keys: the never-used count first, then finite
+  buckets (:func:`_trim_round`).
+  """
+  request, first, keys, mult, never = x  # [], [], [U], [U], []
+  counts, bm = s["counts"], list(s["bm"])
+  levels = len(bm)
 
-  def evicting(carry):
-    return jax.lax.pmax(carry[2].astype(i32), _CAPACITIES) > 0
+  def reads():
+    own = gather(counts, request[None])[0]
+    path = [gather(bm[lv], keys >> (5 * (lv + 1)), 0) for lv in range(levels)]
+    return own, path, keys
 
-  levels, evicted, _ = jax.lax.while_loop(
-    evicting, evict_bucket, (s["levels"], i32(0), need > 0)
+  own, path, keys = barrier(request, *reads())
+  own = jnp.where(first, own, 0)
+  on = keys >= 0
+  counts = scatter_add(counts, keys, mult[:, None], on)
+  # Set the keys' bits on every level (distinct keys sharing a word write
+  # one merged value).
+  for lv in range(levels):
+    word = keys >> (5 * (lv + 1))
+    same = (word[:, None] == word[None, :]) & on[None, :]
+    bits = jnp.where(same, _bit((keys >> (5 * lv)) & 31)[None, :], 0)
+    merged = jax.lax.reduce(bits, jnp.uint32(0), jax.lax.bitwise_or, (1,))
+    bm[lv] = scatter(bm[lv], word, path[lv] | merged[:, None], on)
+  top = jnp.maximum(s["top"], jnp.max(keys))
+  size = s["size"] - own + jnp.sum(mult) + never
+  excess = jnp.maximum(size - capacities, 0)
+  from_never = jnp.minimum(s["never"] + never, excess)
+  # Each round empties a bucket or ends a capacity's excess; a capacity
+  # with excess left and no key (never, unless the counts are wrong) stops
+  # the loop and is reported.
+  counts, bm, top, rem = jax.lax.while_loop(
+    lambda carry: jnp.any((carry[3] > 0) & (carry[2] >= 0)),
+    _trim_round,
+    (counts, tuple(bm), top, excess - from_never),
   )
-  inserted = jnp.minimum(misses, free + evicted)
-  placed = miss & (col < lead + inserted)
-  # Hits move to their next use, insertions join at theirs, and the
-  # request's own bucket empties (its nodes were all hits).
-  moved = hit | placed
-  idx = jnp.concatenate([keys, request[None]])
-  delta = jnp.concatenate([moved.astype(i32), -own * first.astype(i32)])
-  mask = jnp.concatenate([moved, first[None]])
-  levels = _add(levels, idx, delta, mask)
-  size = s["size"] + inserted - evicted
   s = {
-    "levels": levels,
-    "size": size,
-    "hit_n": hit_n,
-    "stop": stop | (inserted < misses),
-    "filled": s["filled"] | (warm & (inserted > 0) & (size >= capacity)),
+    "counts": counts,
+    "bm": bm,
+    "top": top,
+    "size": size - excess,
+    "never": s["never"] + never - from_never,
+    "lost": s["lost"] | (rem > 0),
   }
-  return s, jnp.sum(hit.astype(i32))
+  return s, own
 
 
 @functools.partial(jax.jit, static_argnames=("num_keys",))
-def _belady_all(xs, capacities, *, num_keys):
-  """``[C, S]`` hit blocks per chunk and ``[C]`` filled flags."""
+def _belady_scan(xs, capacities, *, num_keys):
+  """``[S, C]`` hit blocks of each step (nonzero only at a request's
+  first) and ``[C]`` whether a capacity lost count of its cache."""
   i32 = jnp.int32
-
-  def run(capacity):
-    s = {
-      "levels": tuple(jnp.zeros((n,), i32) for n in _levels(num_keys)),
-      "size": i32(0),
-      "hit_n": i32(0),
-      "stop": jnp.bool_(False),
-      "filled": jnp.bool_(False),
-    }
-    step = functools.partial(_belady_step, capacity=capacity)
-    s, hits = jax.lax.scan(step, s, xs)
-    return hits, s["filled"]
-
-  return jax.vmap(run, axis_name=_CAPACITIES)(capacities)
+  n = capacities.shape[0]
+  s = {
+    "counts": jnp.zeros((num_keys, n), i32),  # [K, C]
+    "bm": tuple(
+      jnp.zeros((words, n), jnp.uint32) for words in _words_per_level(num_keys)
+    ),
+    # At least every nonempty finite key (a live one when a trim needs it).
+    "top": jnp.full((n,), -1, i32),
+    "size": jnp.zeros((n,), i32),
+    "never": jnp.zeros((n,), i32),  # cached nodes never used again
+    "lost": jnp.zeros((n,), bool),  # excess left with no key to drop
+  }
+  step = functools.partial(_belady_step, capacities=capacities)
+  s, hits = jax.lax.scan(step, s, xs)
+  return hits, s["lost"]
 
 
 # ---------------------------------------------------------------------------
@@ -343,26 +408,66 @@ def _lru_points(plan, capacities, hit_capacity) -> list[ReplayPoint]:
   return points
 
 
-def _belady_points(plan, capacities, clipped, width, timings):
-  rows, first, request, offset = chunks(plan, width)
-  xs = (
-    jnp.asarray(column(rows, plan.next_use)),
-    jnp.asarray(first),
-    jnp.asarray(request),
-    jnp.asarray(offset),
-    jnp.asarray(request < plan.warmup_requests),
+def _belady_steps(plan: ReplayPlan, keys_per_step: int):
+  """Scan inputs: each request's distinct next-use requests, at most
+  ``keys_per_step`` per step (a request takes at least one step).
+
+  Returns ``[S]`` request, ``[S]`` first step of its request, ``[S, U]``
+  keys (-1 padded), ``[S, U]`` their block counts, ``[S]`` blocks never
+  used again (on the request's first step).
+  """
+  num_kept = plan.num_kept
+  finite = plan.next_use < num_kept
+  pair = plan.request[finite].astype(np.int64) * num_kept
+  pair, mult = np.unique(pair + plan.next_use[finite], return_counts=True)
+  req, key = np.divmod(pair, num_kept)
+  distinct = np.bincount(req, minlength=num_kept)
+  per_request = np.maximum(-(-distinct // keys_per_step), 1)
+  first_step = np.cumsum(per_request) - per_request
+  rank = np.arange(pair.size) - np.repeat(
+    np.cumsum(distinct) - distinct, distinct
   )
-  num_keys = plan.num_kept + 2  # next uses run to num_kept + 1 (never)
+  step = first_step[req] + rank // keys_per_step
+  num_steps = int(per_request.sum())
+  keys = np.full((num_steps, keys_per_step), _NONE, np.int32)
+  mults = np.zeros((num_steps, keys_per_step), np.int32)
+  keys[step, rank % keys_per_step] = key
+  mults[step, rank % keys_per_step] = mult
+  request = np.repeat(np.arange(num_kept, dtype=np.int32), per_request)
+  first = np.zeros(num_steps, bool)
+  first[first_step] = True
+  never = np.zeros(num_steps, np.int32)
+  never[first_step] = np.bincount(plan.request[~finite], minlength=num_kept)
+  return request, first, keys, mults, never
+
+
+def _belady_points(plan, capacities, clipped, keys_per_step, timings):
+  xs = _belady_steps(plan, keys_per_step)
   start = time.perf_counter()
   probe = jnp.zeros((len(capacities),), jnp.int32)
-  compiled = _belady_all.lower(xs, probe, num_keys=num_keys).compile()
-  hits, filled = _timed_run(
+  compiled = _belady_scan.lower(
+    tuple(map(jnp.asarray, xs)), probe, num_keys=plan.num_kept
+  ).compile()
+  hits, lost = _timed_run(
     compiled,
-    (xs, jnp.asarray(clipped, jnp.int32)),
+    (tuple(map(jnp.asarray, xs)), jnp.asarray(clipped, jnp.int32)),
     time.perf_counter() - start,
     timings,
   )
-  return chunk_points(plan, "belady_leaf", capacities, request, hits, filled)
+  if np.any(lost):
+    bad = [capacities[i] for i in np.flatnonzero(np.asarray(lost))]
+    raise RuntimeError(
+      f"belady_leaf replay lost count of its cache at capacities {bad} "
+      "(a bug: please report it with the trace)"
+    )
+  # The cache holds every node seen until it first fills, so it filled in
+  # warm-up iff the warm-up requests saw at least `capacity` nodes.
+  _, first_seen = np.unique(plan.node, return_index=True)
+  seen = int(np.sum(plan.request[first_seen] < plan.warmup_requests))
+  filled = (clipped > 0) & (clipped <= seen)
+  return chunk_points(
+    plan, "belady_leaf", capacities, xs[0], np.asarray(hits).T, filled
+  )
 
 
 def replay_keys(
@@ -372,6 +477,7 @@ def replay_keys(
   capacities: Sequence[int],
   timings: dict | None = None,
   width: int = _WIDTH,
+  keys_per_step: int = _KEYS_PER_STEP,
 ) -> list[ReplayPoint]:
   """Like :func:`prefixjax.replay.replay`, from keys and counts.
 
@@ -383,7 +489,10 @@ def replay_keys(
     policy: one of :data:`KEY_POLICIES`.
     capacities: cache sizes in blocks (>= 0).
     timings: if given, ``compile_s`` and ``run_s`` are added to it.
-    width: blocks per scan step (a longer request takes several steps).
+    width: ``lru_leaf``: blocks per scan step (a longer request takes
+      several steps).
+    keys_per_step: ``belady_leaf``: distinct next-use requests per scan
+      step (a request with more takes several steps).
 
   Returns:
     One :class:`~prefixjax.replay.ReplayPoint` per capacity, in order,
@@ -401,10 +510,11 @@ def replay_keys(
   if policy not in KEY_POLICIES:
     raise ValueError(f"policy={policy!r} is not one of {KEY_POLICIES}")
   capacities, clipped = _capacities(plan, capacities)
-  if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-    raise ValueError(f"width={width!r} must be an int >= 1")
+  for name, value in (("width", width), ("keys_per_step", keys_per_step)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name}={value!r} must be an int >= 1")
   if policy == "belady_leaf":
-    return _belady_points(plan, capacities, clipped, width, timings)
+    return _belady_points(plan, capacities, clipped, keys_per_step, timings)
   starts = np.flatnonzero(plan.first)
   longest = int(np.diff(np.r_[starts, plan.num_events]).max())
   stack = [i for i, c in enumerate(capacities) if c >= longest]

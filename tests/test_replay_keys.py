@@ -35,9 +35,12 @@ def _longest(plan):
   return int(np.diff(np.r_[starts, plan.num_events]).max())
 
 
-@pytest.mark.parametrize("width", [1, 3, 32])
+@pytest.mark.parametrize("per_step", [1, 3, 32])
 @pytest.mark.parametrize("policy", KEY_POLICIES)
-def test_matches_replay_and_model_on_random_traces(policy, width, rng):
+def test_matches_replay_and_model_on_random_traces(policy, per_step, rng):
+  # per_step: blocks (lru_leaf) or distinct next uses (belady_leaf) per
+  # scan step; 1 and 3 split most requests over several steps.
+  step = {"width" if policy == "lru_leaf" else "keys_per_step": per_step}
   for _ in range(3):
     plan, (hash_ids, lengths, block_size, warmup) = _plan(
       rng, int(rng.integers(5, 90))
@@ -46,7 +49,7 @@ def test_matches_replay_and_model_on_random_traces(policy, width, rng):
     # the chain engine) and roomy ones, unsorted and repeated.
     capacities = rng.integers(0, 30, size=6).tolist() + [0, 1, 2, 2]
     capacities += [_longest(plan), plan.unique_blocks + 5]
-    got = replay_keys(plan, policy=policy, capacities=capacities, width=width)
+    got = replay_keys(plan, policy=policy, capacities=capacities, **step)
     assert [p.capacity_blocks for p in got] == capacities
     name = rp.KVCACHE_SIM_POLICY_NAMES[policy]
     for point in got:
@@ -63,10 +66,12 @@ def test_matches_replay_and_model_on_random_traces(policy, width, rng):
 
 @pytest.mark.parametrize("policy", KEY_POLICIES)
 def test_every_capacity_of_a_sweep(policy, rng):
-  # One pass (lru_leaf) or one vmapped scan (belady_leaf) for every
-  # capacity from the longest request up to past the number of nodes.
+  # One pass (lru_leaf, from the longest request's blocks up) or one scan
+  # with a capacity axis (belady_leaf, from 0 up) for every capacity up to
+  # past the number of nodes.
   plan, _ = _plan(rng, 120)
-  capacities = list(range(_longest(plan), plan.unique_blocks + 3))
+  low = _longest(plan) if policy == "lru_leaf" else 0
+  capacities = list(range(low, plan.unique_blocks + 3))
   _same(
     replay_keys(plan, policy=policy, capacities=capacities),
     rp.replay(plan, policy=policy, capacities=capacities, engine="event"),
@@ -108,11 +113,11 @@ def test_belady_leaf_bypasses_a_block_needed_no_sooner():
   hash_ids = [[1, 2], [3, 4], [1, 5], [1, 2], [1, 5]]
   lengths = [len(ids) for ids in hash_ids]
   plan = rp.prepare_replay(hash_ids, lengths, block_size=1, warmup_fraction=0)
-  for width in (1, 2, 32):
+  for per_step in (1, 2, 32):
     (point,) = replay_keys(
-      plan, policy="belady_leaf", capacities=[2], width=width
+      plan, policy="belady_leaf", capacities=[2], keys_per_step=per_step
     )
-    assert point.per_request_hit_tokens.tolist() == [0, 0, 1, 2, 1], width
+    assert point.per_request_hit_tokens.tolist() == [0, 0, 1, 2, 1], per_step
 
 
 def test_lru_leaf_short_capacities_use_the_chain_engine():
@@ -137,7 +142,9 @@ def test_bad_arguments_are_reported():
   with pytest.raises(ValueError, match="must be >= 0"):
     replay_keys(plan, policy="lru_leaf", capacities=[-1])
   with pytest.raises(ValueError, match="width=0"):
-    replay_keys(plan, policy="belady_leaf", capacities=[1], width=0)
+    replay_keys(plan, policy="lru_leaf", capacities=[1], width=0)
+  with pytest.raises(ValueError, match="keys_per_step=0"):
+    replay_keys(plan, policy="belady_leaf", capacities=[1], keys_per_step=0)
   with pytest.raises(ValueError, match="width=True"):
     lru_hit_capacities(plan, width=True)
   with pytest.raises(ValueError, match="engine='keys' serves"):
