@@ -79,6 +79,19 @@ def test_matches_replay_and_model_on_random_traces(policy, width, rng):
       assert point.underfilled == want["underfilled"], at
 
 
+def test_fifo_sweep_of_every_capacity(rng):
+  # More than 16 capacities: the default width narrows for fifo; every
+  # capacity from 0 to past the number of nodes, unsorted.
+  hash_ids, lengths = _random_trace(rng, 120, 2)
+  plan = rp.prepare_replay(hash_ids, lengths, block_size=2)
+  capacities = rng.permutation(plan.unique_blocks + 3).tolist()
+  _same(
+    replay_fast(plan, policy="fifo", capacities=capacities),
+    rp.replay(plan, policy="fifo", capacities=capacities, engine="event"),
+    "fifo",
+  )
+
+
 def test_reinserts_a_block_evicted_by_its_own_request():
   # Capacity 2: [1, 2] caches nodes 1, 2 (queue 1, 2); [3] evicts node 1
   # (queue 2, 3); the next [1, 2] misses node 1, whose insertion evicts node
