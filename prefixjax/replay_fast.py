@@ -198,23 +198,21 @@ def _fifo_step(s, x, *, capacities):
   hits = jnp.where(in_run, run, 0)
   free = jnp.maximum(capacities - (s["tail"] - s["head"]), 0)[None, :]
 
-  def evicted(insert):
+  def marks(insert):
+    """The insertions before each column, and the blocks to insert given
+    them (missing at the start, or evicted by those insertions)."""
     before = _exclusive_cumsum(insert.astype(i32))
-    return valid & on & (rows < head + jnp.maximum(before - free, 0))
+    return before, valid & on & (rows < head + jnp.maximum(before - free, 0))
 
+  # Iterate insert -> marks(insert) from the blocks missing at the start;
+  # at the fixed point `before` is the insertions' ranks.
   insert0 = valid & on & (rows < head)
-  insert1 = evicted(insert0)
-
-  def body(carry):
-    insert, _ = carry
-    new = evicted(insert)
-    return new, jnp.any(new != insert)
-
-  insert, _ = jax.lax.while_loop(
-    lambda carry: carry[1], body, (insert1, jnp.any(insert1 != insert0))
+  insert, rank, _ = jax.lax.while_loop(
+    lambda carry: jnp.any(carry[0] != carry[2]),
+    lambda carry: (carry[2], *marks(carry[2])),
+    (insert0, *marks(insert0)),
   )
   count = jnp.sum(insert.astype(i32), axis=0)
-  rank = _exclusive_cumsum(insert.astype(i32))
   s = dict(s)
   s["key_of"] = s["key_of"].at[idx].set(jnp.where(insert, tail + rank, rows))
   s["head"] = s["head"] + jnp.maximum(count - free[0], 0)
