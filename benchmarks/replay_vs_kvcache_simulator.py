@@ -6,10 +6,11 @@ Runs the 12 published points (fifo / lru / optimal x capacities 1,827 /
 
 * kvcache-simulator 0.1.3's Python backend (``simulate_policy``),
 * its C++ backend (``run_cpp_sweep``; compiled on first use, not timed),
-* prefixjax (``replay``'s default engines: ``fifo`` one jitted scan
-  vmapped over the 4 capacities, ``lru_leaf`` one pass of stack distances
-  for all of them, ``belady_leaf`` one scan of per-key counts with the
-  capacities as an array axis; compile time reported separately),
+* prefixjax (``replay``'s default engines: ``fifo`` one jitted scan of
+  insertion-queue keys, ``lru_leaf`` one pass of stack distances for all
+  capacities, ``belady_leaf`` one scan of per-key counts; ``fifo`` and
+  ``belady_leaf`` keep the capacities as an array axis; compile time
+  reported separately),
 
 prints the hit tokens side by side (they must be equal) and the time ratios,
 then measures how the cost grows with the number of configurations (1 vs
