@@ -393,9 +393,7 @@ def _lru_points(plan, capacities, hit_capacity) -> list[ReplayPoint]:
   per_kept = np.cumsum(per_kept, axis=1)[:, :-1]
   # The cache fills in warm-up at C iff a warm request ends with at least
   # C nodes seen and misses at C (its last block's hit capacity > C).
-  _, first_seen = np.unique(plan.node, return_index=True)
-  new = np.bincount(plan.request[first_seen], minlength=plan.num_kept)
-  seen = np.cumsum(new)
+  seen = _nodes_seen(plan)
   ends = np.r_[np.flatnonzero(plan.first)[1:], plan.num_events] - 1
   warm = slice(0, plan.warmup_requests)
   fills_up_to = np.minimum(seen[warm], hit_capacity[ends][warm] - 1)
@@ -441,16 +439,23 @@ def _belady_steps(plan: ReplayPlan, keys_per_step: int):
   return request, first, keys, mults, never
 
 
+def _nodes_seen(plan: ReplayPlan) -> np.ndarray:
+  """``[R_kept]`` distinct nodes seen by the end of each kept request."""
+  _, first_seen = np.unique(plan.node, return_index=True)
+  return np.cumsum(
+    np.bincount(plan.request[first_seen], minlength=plan.num_kept)
+  )
+
+
 def _belady_points(plan, capacities, clipped, keys_per_step, timings):
-  xs = _belady_steps(plan, keys_per_step)
+  request, *rest = _belady_steps(plan, keys_per_step)
+  xs = tuple(map(jnp.asarray, (request, *rest)))
   start = time.perf_counter()
   probe = jnp.zeros((len(capacities),), jnp.int32)
-  compiled = _belady_scan.lower(
-    tuple(map(jnp.asarray, xs)), probe, num_keys=plan.num_kept
-  ).compile()
+  compiled = _belady_scan.lower(xs, probe, num_keys=plan.num_kept).compile()
   hits, lost = _timed_run(
     compiled,
-    (tuple(map(jnp.asarray, xs)), jnp.asarray(clipped, jnp.int32)),
+    (xs, jnp.asarray(clipped, jnp.int32)),
     time.perf_counter() - start,
     timings,
   )
@@ -462,11 +467,11 @@ def _belady_points(plan, capacities, clipped, keys_per_step, timings):
     )
   # The cache holds every node seen until it first fills, so it filled in
   # warm-up iff the warm-up requests saw at least `capacity` nodes.
-  _, first_seen = np.unique(plan.node, return_index=True)
-  seen = int(np.sum(plan.request[first_seen] < plan.warmup_requests))
+  warm = plan.warmup_requests
+  seen = int(_nodes_seen(plan)[warm - 1]) if warm > 0 else 0
   filled = (clipped > 0) & (clipped <= seen)
   return chunk_points(
-    plan, "belady_leaf", capacities, xs[0], np.asarray(hits).T, filled
+    plan, "belady_leaf", capacities, request, np.asarray(hits).T, filled
   )
 
 
