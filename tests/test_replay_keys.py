@@ -13,8 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from reference_models import kvcache_sim
-from test_replay import PUBLISHED, mooncake_plan
-from test_replay_fast import _random_trace, _same
+from test_replay_fast import _random_trace, _same, check_published_points
 
 from prefixjax import replay as rp
 from prefixjax.replay_keys import KEY_POLICIES, lru_hit_capacities, replay_keys
@@ -156,15 +155,4 @@ def test_bad_arguments_are_reported():
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", KEY_POLICIES)
 def test_mooncake_published_points(policy):
-  _, plan = mooncake_plan()
-  capacities = list(PUBLISHED)
-  index = rp.REPLAY_POLICIES.index(policy)
-  got = replay_keys(plan, policy=policy, capacities=capacities)
-  assert [p.hit_tokens for p in got] == [
-    PUBLISHED[c][index] for c in capacities
-  ]
-  _same(
-    got,
-    rp.replay(plan, policy=policy, capacities=capacities, engine="request"),
-    policy,
-  )
+  check_published_points(replay_keys, policy, "request")
