@@ -46,6 +46,21 @@ def _same(got, want, where):
     assert g.measured_requests == w.measured_requests, at
 
 
+def check_against_model(got, policy, hash_ids, lengths, block_size, warmup):
+  """Every point equals the plain-Python kvcache-simulator model's."""
+  name = rp.KVCACHE_SIM_POLICY_NAMES[policy]
+  for point in got:
+    want = kvcache_sim.simulate(
+      hash_ids, lengths, block_size, point.capacity_blocks, name, warmup
+    )
+    at = f"{policy} capacity {point.capacity_blocks}"
+    assert (
+      point.per_request_hit_tokens.tolist() == want["per_request_hit_tokens"]
+    ), at
+    assert point.hit_tokens == want["hit_tokens"], at
+    assert point.underfilled == want["underfilled"], at
+
+
 @pytest.mark.parametrize("width", [1, 3, 32])
 @pytest.mark.parametrize("policy", FAST_POLICIES)
 def test_matches_replay_and_model_on_random_traces(policy, width, rng):
@@ -66,17 +81,7 @@ def test_matches_replay_and_model_on_random_traces(policy, width, rng):
       rp.replay(plan, policy=policy, capacities=capacities, engine="event"),
       policy,
     )
-    name = rp.KVCACHE_SIM_POLICY_NAMES[policy]
-    for point in got:
-      want = kvcache_sim.simulate(
-        hash_ids, lengths, block_size, point.capacity_blocks, name, warmup
-      )
-      at = f"{policy} capacity {point.capacity_blocks}"
-      assert (
-        point.per_request_hit_tokens.tolist() == want["per_request_hit_tokens"]
-      ), at
-      assert point.hit_tokens == want["hit_tokens"], at
-      assert point.underfilled == want["underfilled"], at
+    check_against_model(got, policy, hash_ids, lengths, block_size, warmup)
 
 
 def test_fifo_sweep_of_every_capacity(rng):

@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from reference_models import kvcache_sim
-from test_replay_fast import _random_trace, _same, check_published_points
+from test_replay_fast import (
+  _random_trace,
+  _same,
+  check_against_model,
+  check_published_points,
+)
 
 from prefixjax import replay as rp
 from prefixjax.replay_keys import KEY_POLICIES, lru_hit_capacities, replay_keys
@@ -50,17 +54,7 @@ def test_matches_replay_and_model_on_random_traces(policy, per_step, rng):
     capacities += [_longest(plan), plan.unique_blocks + 5]
     got = replay_keys(plan, policy=policy, capacities=capacities, **step)
     assert [p.capacity_blocks for p in got] == capacities
-    name = rp.KVCACHE_SIM_POLICY_NAMES[policy]
-    for point in got:
-      want = kvcache_sim.simulate(
-        hash_ids, lengths, block_size, point.capacity_blocks, name, warmup
-      )
-      at = f"{policy} capacity {point.capacity_blocks}"
-      assert (
-        point.per_request_hit_tokens.tolist() == want["per_request_hit_tokens"]
-      ), at
-      assert point.hit_tokens == want["hit_tokens"], at
-      assert point.underfilled == want["underfilled"], at
+    check_against_model(got, policy, hash_ids, lengths, block_size, warmup)
 
 
 @pytest.mark.parametrize("policy", KEY_POLICIES)
