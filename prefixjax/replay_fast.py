@@ -18,24 +18,44 @@ queue; every block of the request not cached (in order) is inserted,
 evicting the oldest insertion when full. Insertions get consecutive queue
 keys ``tail, tail + 1, ...`` and evictions always take the oldest, so the
 cached set is exactly the nodes whose *latest* queue key is at least
-``head``: the state is one ``[V]`` array ``key_of`` and two counters per
-capacity, and an eviction is ``head += 1`` with no write at all. A
-request's blocks are distinct nodes, so a block's key is the same at the
-request's start and just before its turn; it is cached at the start iff its
-key is at least the start's ``head`` (the hit run), and just before its
-turn iff its key is at least ``head + max(0, i_j - f)``, where ``f`` is the
-free room when the step starts and ``i_j`` the insertions of the step
-before column ``j``. That is the sequential subtlety: a block cached at the
-start can be evicted by an earlier insertion of the same request and is
-then inserted again, shifting every later eviction. Marking such blocks as
-insertions only adds insertions, so iterating "mark, recount" from the
-blocks missing at the start reaches the exact (least) fixed point; a step
-loops only when such an eviction happens. Per step: one gather of the
-chunk's ``[W, C]`` rows of the capacity-minor ``[V + 1, C]`` keys (through
+``head``: the state is a key per node and two counters per capacity, and an
+eviction is ``head += 1`` with no write at all. A request's blocks are
+distinct nodes, so a block's key is the same at the request's start and
+just before its turn; it is cached at the start iff its key is at least the
+start's ``head`` (the hit run), and just before its turn iff its key is at
+least ``head + max(0, i_j - f)``, where ``f`` is the free room when the step
+starts and ``i_j`` the insertions of the step before column ``j``. That is
+the sequential subtlety: a block cached at the start can be evicted by an
+earlier insertion of the same request and is then inserted again, shifting
+every later eviction. Marking such blocks as insertions only adds
+insertions, so iterating "mark, recount" from the blocks missing at the
+start reaches the exact (least) fixed point; a step loops only when such an
+eviction happens.
+
+Most blocks are new (73% of the Mooncake trace's): a trie node's parent is
+seen with it, so a request is a prefix of seen blocks and then new blocks,
+which are inserted at every capacity with keys ``b, b + 1, ...`` in order
+(``b`` the ``tail`` before them). So the steps walk only the seen prefixes
+(``W`` blocks a step), and the new blocks cost ``O(C)`` a request: one
+*base* row per request holds ``b``, and each of its new blocks takes ``b``
+as its key. That is exact for every test ``key >= head`` the replay makes.
+The keys differ only for a request's new block ``j`` that was not inserted
+again since, when ``b < head <= b + j`` (a full cache; let
+``p = head - b``). Each insertion evicts the block at ``head``, so whenever
+one of these blocks is inserted again, ``head`` passes it by two: those
+inserted again are below ``p - 1``, and block ``p - 1`` keeps key
+``b + p - 1 < head``. A request reaching block ``j >= p`` passes through
+its ancestor ``p - 1``: the hit run stops there, and inserting it evicts
+block ``p``, inserting that evicts ``p + 1``, and so on, so block ``j`` is
+inserted under either key. A node gets a key row of its own only if it is
+used again; its key is the larger of that row (set when it is inserted
+again) and its request's base. Per step: one gather of the chunk's
+``[2 W, C]`` key and base rows of the capacity-minor key array (through
 :func:`prefixjax.paging.barrier`), prefix sums along ``W``, one scatter of
-the rows; nothing depends on the number of nodes. (FIFO is not a stack
-algorithm, so no pass serves several capacities; the layout makes 256
-capacities of the Mooncake trace 0.6 s instead of 1.5 s vmapped.)
+the key rows and one base row written; nothing depends on the number of
+nodes. (FIFO is not a stack algorithm, so no pass serves several
+capacities; on the first 1,500 Mooncake requests 256 capacities take
+0.015 s against 0.0025 s for one.)
 
 ``lru_leaf`` and ``belady_leaf`` (kvcache-simulator's ``lru`` and
 ``optimal``): the state of :mod:`prefixjax.replay` (per node its
@@ -111,11 +131,8 @@ FAST_POLICIES = ("fifo", "lru_leaf", "belady_leaf")
 _NONE = -1
 _CAPACITIES = "capacities"  # the vmap axis (eviction loops sync across it)
 _WIDTH = 32  # blocks per scan step (16 to 64 measure alike on Mooncake)
-# fifo over many capacities: narrower steps pad less of the [W, C] work
-# (Mooncake, 256 capacities: 0.35 s at W = 8, 0.71 s at 32; 4 capacities:
-# 0.11 s at 8, 0.05 s at 32).
-_FIFO_WIDE_SWEEP = 16
-_FIFO_SWEEP_WIDTH = 8
+# A fifo base row for capacity 0, whose base keys must stay below head = 0.
+_NO_BASE = -(2**30)
 
 
 def chunks(plan: ReplayPlan, width: int):
@@ -173,21 +190,93 @@ def _exclusive_cumsum(x):
   return y - x
 
 
-def _fifo_step(s, x, *, capacities):
-  """Serves one chunk of a request at every capacity; returns ``[C]`` its
-  hit blocks.
+def _fifo_width(num_capacities: int) -> int:
+  """Default ``fifo`` blocks per step: narrower steps pad less of the
+  ``[W, C]`` work as ``C`` grows (first 1,500 Mooncake requests: best at
+  32 for one capacity, 16 up to 8, 8 from 16 on)."""
+  if num_capacities == 1:
+    return 32
+  return 16 if num_capacities <= 8 else 8
 
-  ``key_of`` is ``[V + 1, C]``, capacity-minor: a chunk reads and writes
-  its nodes' rows whole (padding goes to the spare last row). A block is
-  cached when its request starts iff its key is at least the request's
-  starting ``head`` (the request has not touched it yet), and just before
-  its turn iff its key is at least the ``head`` of that moment.
+
+def _fifo_chunks(plan: ReplayPlan, width: int):
+  """The ``fifo`` scan's inputs: every request's seen prefix cut into
+  ``[S, W]`` chunks (at least one chunk per request).
+
+  Returns ``xs`` (``[S, W]`` key rows to read and write, ``[S, W]`` base
+  rows to read, and ``[S]``: starts its
+  request, in warm-up, new blocks appended after the chunk, base row to
+  write), ``[S]`` each chunk's kept request, the key array's row count and
+  its spare row.
   """
-  nodes, first, warm = x
+  num_events, num_kept = plan.num_events, plan.num_kept
+  starts = np.flatnonzero(plan.first)
+  lengths = np.diff(np.r_[starts, num_events])
+  cols = np.arange(num_events) - np.repeat(starts, lengths)
+  nodes, first_event, uses = np.unique(
+    plan.node, return_index=True, return_counts=True
+  )
+  first_of = np.zeros(plan.unique_blocks + 1, np.int64)
+  first_of[nodes] = first_event
+  seen = first_of[plan.node] != np.arange(num_events)
+  prefix = np.bincount(plan.request, seen, num_kept).astype(np.int64)
+  if not np.array_equal(seen, cols < prefix[plan.request]):
+    # Impossible for trie nodes: a seen node's parent was seen with it.
+    raise RuntimeError("a request's already-seen blocks are not its prefix")
+  # Rows: a key row per node used again, the spare row (padding), a base
+  # row per request.
+  again = np.zeros(plan.unique_blocks + 1, bool)
+  again[nodes[uses > 1]] = True
+  spare = int(again.sum())
+  key_row = np.full(plan.unique_blocks + 1, spare, np.int64)
+  key_row[again] = np.arange(spare)
+  per_request = np.maximum(1, -(-prefix // width))
+  num_chunks = int(per_request.sum())
+  first_chunk = np.cumsum(per_request) - per_request
+  events = np.flatnonzero(seen)
+  at = (first_chunk[plan.request[events]] + cols[events] // width,)
+  at += (cols[events] % width,)
+  origin = plan.request[first_of[plan.node[events]]]  # added it as new
+  reads = []
+  for row in (key_row[plan.node[events]], spare + 1 + origin):
+    out = np.full((num_chunks, width), spare, np.int32)
+    out[at] = row
+    reads.append(out)
+  request = np.repeat(np.arange(num_kept), per_request)
+  index = np.arange(num_chunks)
+  last = index == first_chunk[request] + per_request[request] - 1
+  xs = (
+    *reads,
+    index == first_chunk[request],
+    request < plan.warmup_requests,
+    np.where(last, lengths[request] - prefix[request], 0).astype(np.int32),
+    (spare + 1 + request).astype(np.int32),
+  )
+  return xs, request.astype(np.int32), spare + 1 + num_kept, spare
+
+
+def _fifo_step(s, x, *, capacities, spare):
+  """Serves one chunk of a request's seen prefix, then (in its last chunk)
+  appends the request's new blocks, at every capacity; returns ``[C]`` the
+  chunk's hit blocks.
+
+  ``key_of`` is ``[rows, C]``, capacity-minor: a chunk reads its nodes' key
+  rows and base rows in one gather and writes the key rows back in one
+  scatter (padding goes to the spare row). A node's key is the larger of
+  its key row (set when it is inserted again) and the base row of the
+  request that added it (see the module notes). A block is cached when its
+  request starts iff its key is at least the request's starting ``head``
+  (the request has not touched it yet), and just before its turn iff its
+  key is at least the ``head`` of that moment.
+  """
+  key_idx, base_idx, first, warm, new, base_row = x
   i32 = jnp.int32
-  idx = jnp.where(nodes >= 0, nodes, s["key_of"].shape[0] - 1)
-  rows, idx = barrier(idx[0], s["key_of"][idx], idx)
-  valid = (nodes >= 0)[:, None]  # [W, 1]
+  width = key_idx.shape[0]
+  idx = jnp.concatenate([key_idx, base_idx])
+  got, idx, base_row = barrier(idx[0], s["key_of"][idx], idx, base_row)
+  own = got[:width]
+  rows = jnp.maximum(own, got[width:])
+  valid = (key_idx != spare)[:, None]  # [W, 1]
   on = (capacities > 0)[None, :]  # [1, C]
   head, tail = s["head"][None, :], s["tail"][None, :]
   head0 = jnp.where(first, s["head"], s["head0"])
@@ -213,37 +302,43 @@ def _fifo_step(s, x, *, capacities):
     (insert0, *marks(insert0)),
   )
   count = jnp.sum(insert.astype(i32), axis=0)
+  key_of = s["key_of"].at[idx[:width]].set(jnp.where(insert, tail + rank, own))
+  head = s["head"] + jnp.maximum(count - free[0], 0)
+  tail = s["tail"] + count
+  # The new blocks: keys tail, tail + 1, ... (their base), none cached.
+  new = jnp.where(on[0], new, 0)
+  base = jnp.where(on[0], tail, _NO_BASE)[None, :]
+  free = jnp.maximum(capacities - (tail - head), 0)
   s = dict(s)
-  s["key_of"] = s["key_of"].at[idx].set(jnp.where(insert, tail + rank, rows))
-  s["head"] = s["head"] + jnp.maximum(count - free[0], 0)
-  s["tail"] = s["tail"] + count
+  s["key_of"] = jax.lax.dynamic_update_slice_in_dim(key_of, base, base_row, 0)
+  s["head"] = head + jnp.maximum(new - free, 0)
+  s["tail"] = tail + new
   s["head0"] = head0
   s["in_run"] = in_run & (run == jnp.sum(valid.astype(i32)))
   size = s["tail"] - s["head"]
-  s["filled"] = s["filled"] | (warm & (count > 0) & (size >= capacities))
+  s["filled"] = s["filled"] | (warm & (count + new > 0) & (size >= capacities))
   return s, hits
 
 
-@functools.partial(jax.jit, static_argnames=("num_nodes",))
-def _fifo_all(xs, capacities, *, num_nodes):
+@functools.partial(jax.jit, static_argnames=("num_rows", "spare"))
+def _fifo_all(xs, capacities, *, num_rows, spare):
   """``[C, S]`` hit blocks per chunk and ``[C]`` filled flags (``fifo``).
 
-  Not ``vmap``: ``vmap`` would give every capacity its own ``[V]`` keys
-  and gather from each; capacity-minor rows are one gather of ``W`` rows
-  (256 capacities of Mooncake's whole trace: 0.6 s instead of 1.5 s). The
-  fix-up loop runs while any capacity needs it (it rarely does).
+  Not ``vmap``: ``vmap`` would give every capacity its own keys and gather
+  from each; capacity-minor rows are one gather of ``2 W`` rows. The fix-up
+  loop runs while any capacity needs it (it rarely does).
   """
   i32 = jnp.int32
   n = capacities.shape[0]
   s = {
-    "key_of": jnp.full((num_nodes + 1, n), _NONE, i32),  # + a spare row
+    "key_of": jnp.full((num_rows, n), _NONE, i32),
     "head": jnp.zeros((n,), i32),
     "tail": jnp.zeros((n,), i32),
     "head0": jnp.zeros((n,), i32),
     "in_run": jnp.zeros((n,), bool),
     "filled": jnp.zeros((n,), bool),
   }
-  step = functools.partial(_fifo_step, capacities=capacities)
+  step = functools.partial(_fifo_step, capacities=capacities, spare=spare)
   s, hits = jax.lax.scan(step, s, xs)
   return hits.T, s["filled"]
 
@@ -544,8 +639,10 @@ def replay_fast(
     policy: one of :data:`FAST_POLICIES`.
     capacities: cache sizes in blocks (>= 0).
     timings: if given, ``compile_s`` and ``run_s`` are added to it.
-    width: blocks per scan step (a longer request takes several steps);
-      by default 32, or 8 for ``fifo`` over more than 16 capacities.
+    width: blocks per scan step (a longer request takes several steps;
+      ``fifo`` steps walk only the blocks seen before); by default 32, and
+      for ``fifo`` 32, 16 or 8 as the capacities grow (see
+      :func:`_fifo_width`).
 
   Returns:
     One :class:`~prefixjax.replay.ReplayPoint` per capacity, in order,
@@ -566,19 +663,16 @@ def replay_fast(
     raise ValueError(f"policy={policy!r} is not one of {FAST_POLICIES}")
   capacities, clipped = _capacities(plan, capacities)
   if width is None:
-    sweep = policy == "fifo" and len(capacities) > _FIFO_WIDE_SWEEP
-    width = _FIFO_SWEEP_WIDTH if sweep else _WIDTH
+    width = _fifo_width(len(capacities)) if policy == "fifo" else _WIDTH
   if isinstance(width, bool) or not isinstance(width, int) or width < 1:
     raise ValueError(f"width={width!r} must be an int >= 1")
-  rows, first, request, _ = chunks(plan, width)
-  nodes = column(rows, plan.node)
-  warm = request < plan.warmup_requests
   probe = jnp.zeros((len(capacities),), jnp.int32)
   if policy == "fifo":
-    xs = tuple(jnp.asarray(a) for a in (nodes, first, warm))
+    xs, request, num_rows, spare = _fifo_chunks(plan, width)
+    xs = tuple(jnp.asarray(a) for a in xs)
+    static = dict(num_rows=num_rows, spare=spare)
     start = time.perf_counter()
-    num_nodes = plan.unique_blocks + 1
-    compiled = _fifo_all.lower(xs, probe, num_nodes=num_nodes).compile()
+    compiled = _fifo_all.lower(xs, probe, **static).compile()
     hits, filled = _timed_run(
       compiled,
       (xs, jnp.asarray(clipped, jnp.int32)),
@@ -586,6 +680,9 @@ def replay_fast(
       timings,
     )
     return chunk_points(plan, policy, capacities, request, hits, filled)
+  rows, first, request, _ = chunks(plan, width)
+  nodes = column(rows, plan.node)
+  warm = request < plan.warmup_requests
   # Per column: its event index, the event and the request of its node's
   # next use (never: num_events and num_kept + 1; -1 padded). Per event:
   # its node, its request's first event and its request (one more entry

@@ -10,6 +10,7 @@ Mooncake points.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import test_replay
 from reference_models import kvcache_sim
@@ -95,6 +96,31 @@ def test_fifo_sweep_of_every_capacity(rng):
     rp.replay(plan, policy="fifo", capacities=capacities, engine="event"),
     "fifo",
   )
+
+
+def test_fifo_rereads_a_run_of_new_blocks_at_every_eviction_depth(rng):
+  # fifo keys a request's new blocks by one shared base: a long run of new
+  # blocks, read again through prefixes of every length between requests
+  # that evict part of it (or insert part of it again), meets every head.
+  chain = rng.permutation(np.arange(1, 1000))[:12].tolist()
+  fillers = [[2000 + 10 * i + j for j in range(i % 4 + 1)] for i in range(5)]
+  hash_ids = [chain]
+  for _ in range(60):
+    if rng.random() < 0.5:
+      hash_ids.append(fillers[int(rng.integers(len(fillers)))])
+    else:
+      hash_ids.append(chain[: int(rng.integers(1, len(chain) + 1))])
+  lengths = [len(ids) for ids in hash_ids]
+  warmup = float(rng.choice([0.0, 0.5]))
+  plan = rp.prepare_replay(
+    hash_ids, lengths, block_size=1, warmup_fraction=warmup
+  )
+  capacities = list(range(plan.unique_blocks + 2))
+  want = rp.replay(plan, policy="fifo", capacities=capacities, engine="event")
+  for width in (1, 3, None):
+    got = replay_fast(plan, policy="fifo", capacities=capacities, width=width)
+    _same(got, want, f"fifo width {width}")
+  check_against_model(got, "fifo", hash_ids, lengths, 1, warmup)
 
 
 def test_reinserts_a_block_evicted_by_its_own_request():
