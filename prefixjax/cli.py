@@ -396,7 +396,8 @@ def _report(args, trace, points, ceiling, load_s, timings) -> int:
   }
   print(
     f"load {load_s:.2f} s, compile {timing['compile_s']:.2f} s, run "
-    f"{timing['run_s']:.2f} s ({len(points)} points)"
+    f"{timing['run_s']:.2f} s ({len(points)} point"
+    f"{'' if len(points) == 1 else 's'})"
   )
   if args.json:
     payload = {
