@@ -204,10 +204,9 @@ def _fifo_chunks(plan: ReplayPlan, width: int):
   ``[S, W]`` chunks (at least one chunk per request).
 
   Returns ``xs`` (``[S, W]`` key rows to read and write, ``[S, W]`` base
-  rows to read, and ``[S]``: starts its
-  request, in warm-up, new blocks appended after the chunk, base row to
-  write), ``[S]`` each chunk's kept request, the key array's row count and
-  its spare row.
+  rows to read, and ``[S]``: starts its request, in warm-up, new blocks
+  appended after the chunk, base row to write), ``[S]`` each chunk's kept
+  request, the key array's row count and its spare row.
   """
   num_events, num_kept = plan.num_events, plan.num_kept
   starts = np.flatnonzero(plan.first)
@@ -305,7 +304,7 @@ def _fifo_step(s, x, *, capacities, spare):
   key_of = s["key_of"].at[idx[:width]].set(jnp.where(insert, tail + rank, own))
   head = s["head"] + jnp.maximum(count - free[0], 0)
   tail = s["tail"] + count
-  # The new blocks: keys tail, tail + 1, ... (their base), none cached.
+  # The new blocks (none cached) all take their base, tail, as their key.
   new = jnp.where(on[0], new, 0)
   base = jnp.where(on[0], tail, _NO_BASE)[None, :]
   free = jnp.maximum(capacities - (tail - head), 0)
