@@ -135,15 +135,21 @@ _WIDTH = 32  # blocks per scan step (16 to 64 measure alike on Mooncake)
 _NO_BASE = -(2**30)
 
 
+def _layout(plan: ReplayPlan):
+  """``[R_kept]`` blocks of each request and ``[E]`` each event's column
+  in its request."""
+  starts = np.flatnonzero(plan.first)
+  lengths = np.diff(np.r_[starts, plan.num_events])
+  return lengths, np.arange(plan.num_events) - np.repeat(starts, lengths)
+
+
 def chunks(plan: ReplayPlan, width: int):
   """Requests cut into ``[S, W]`` chunks of event indices (-1 padded).
 
   Returns the rows, ``[S]`` whether each chunk starts its request, ``[S]``
   each chunk's kept request and ``[S]`` its first column in the request.
   """
-  starts = np.flatnonzero(plan.first)
-  lengths = np.diff(np.r_[starts, plan.num_events])
-  cols = np.arange(plan.num_events) - np.repeat(starts, lengths)
+  lengths, cols = _layout(plan)
   per_request = -(-lengths // width)
   first_chunk = np.cumsum(per_request) - per_request
   chunk = first_chunk[plan.request] + cols // width
@@ -165,9 +171,7 @@ def column(rows: np.ndarray, per_event: np.ndarray) -> np.ndarray:
 def chunk_points(plan, policy, capacities, request, hits, filled):
   """Points from ``[C, S]`` hit blocks per chunk (a request's hits are its
   first blocks) and ``[C]`` filled flags."""
-  starts = np.flatnonzero(plan.first)
-  lengths = np.diff(np.r_[starts, plan.num_events])
-  cols = np.arange(plan.num_events) - np.repeat(starts, lengths)
+  lengths, cols = _layout(plan)
   hits = np.asarray(hits, np.int64)
   filled = np.asarray(filled)
   points = []
@@ -209,9 +213,7 @@ def _fifo_chunks(plan: ReplayPlan, width: int):
   request, the key array's row count and its spare row.
   """
   num_events, num_kept = plan.num_events, plan.num_kept
-  starts = np.flatnonzero(plan.first)
-  lengths = np.diff(np.r_[starts, num_events])
-  cols = np.arange(num_events) - np.repeat(starts, lengths)
+  lengths, cols = _layout(plan)
   nodes, first_event, uses = np.unique(
     plan.node, return_index=True, return_counts=True
   )
