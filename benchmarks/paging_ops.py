@@ -19,7 +19,7 @@ import _timing
 import jax
 import jax.numpy as jnp
 
-from prefixjax import paging
+from prefixjax.cache import paging
 
 BLOCK_SIZE = 16
 MAX_SEQS = 64
@@ -35,15 +35,15 @@ def _scenarios():
 
   def allocate_release(state, i):
     seq = i % MAX_SEQS
-    state, _ = paging._allocate(state, seq, jnp.int32(8 * k))
-    state, _ = paging._release(state, seq)
+    state, _ = paging.allocate(state, seq, jnp.int32(8 * k))
+    state, _ = paging.release(state, seq)
     return state
 
   def append_blocks(state, i):
     seq = i % MAX_SEQS
-    state, _ = paging._allocate(state, seq, jnp.int32(k // 2))
-    state, _ = paging._append(state, seq, jnp.int32(4 * k))
-    state, _ = paging._release(state, seq)
+    state, _ = paging.allocate(state, seq, jnp.int32(k // 2))
+    state, _ = paging.append(state, seq, jnp.int32(4 * k))
+    state, _ = paging.release(state, seq)
     return state
 
   def fork_setup(state):
@@ -52,9 +52,9 @@ def _scenarios():
 
   def fork_copy(state, i):
     child = 1 + i % (MAX_SEQS - 1)
-    state, _ = paging._fork(state, jnp.int32(0), child)
-    state, _ = paging._copy_on_write(state, child)
-    state, _ = paging._release(state, child)
+    state, _ = paging.fork(state, jnp.int32(0), child)
+    state, _ = paging.copy_on_write(state, child)
+    state, _ = paging.release(state, child)
     return state
 
   return {

@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from prefixjax import hashing, policies
-from prefixjax import prefix_cache as pc
+from prefixjax.cache import hashing, policies
+from prefixjax.cache import prefix_cache as pc
 
 BLOCK_SIZE = 16
 MAX_SEQS = 8
@@ -66,11 +66,11 @@ def _serve(state, keys):
   def step(state, k):
     seq = jnp.int32(0)
     n = jnp.int32(PROMPT_TOKENS)
-    state, a = pc._allocate_with_prefix(state, seq, k, n)
-    state, _ = pc._publish(state, seq, k, n)  # early: the prompt's blocks
-    state, _ = pc._append(state, seq, jnp.int32(DECODE_TOKENS))
-    state, _ = pc._publish(state, seq, k, n + DECODE_TOKENS)  # the last one
-    state, _ = pc._release(state, seq)
+    state, a = pc.allocate_with_prefix(state, seq, k, n)
+    state, _ = pc.publish(state, seq, k, n)  # early: the prompt's blocks
+    state, _ = pc.append(state, seq, jnp.int32(DECODE_TOKENS))
+    state, _ = pc.publish(state, seq, k, n + DECODE_TOKENS)  # the last one
+    state, _ = pc.release(state, seq)
     return state, a.status
 
   state, status = jax.lax.scan(step, state, keys)

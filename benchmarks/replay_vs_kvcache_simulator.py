@@ -90,16 +90,12 @@ def _ours(trace):
   plan = rp.prepare_replay(trace.hash_ids, trace.input_lengths, block_size=512)
   hits, compile_s, run_s = {}, {}, {}
   for policy in POLICIES:
-    timings = {}
-    rp.replay(plan, policy=policy, capacities=CAPACITIES, timings=timings)
-    compile_s[policy] = timings["compile_s"]  # the first call compiles
+    first = rp.replay(plan, policy=policy, capacities=CAPACITIES)
+    compile_s[policy] = first.timing.compile_s  # the first call compiles
     runs = []
     for _ in range(2):
-      timings = {}
-      points = rp.replay(
-        plan, policy=policy, capacities=CAPACITIES, timings=timings
-      )
-      runs.append(timings["run_s"])
+      points = rp.replay(plan, policy=policy, capacities=CAPACITIES)
+      runs.append(points.timing.run_s)
     run_s[policy] = min(runs)
     for capacity, point in zip(CAPACITIES, points, strict=True):
       hits[policy, capacity] = point.hit_tokens
@@ -120,9 +116,8 @@ def _scaling(trace, num_requests):
       rp.replay(plan, policy=policy, capacities=caps)  # compile
       runs = []
       for _ in range(3):  # the best of three: this machine is noisy
-        timings = {}
-        rp.replay(plan, policy=policy, capacities=caps, timings=timings)
-        runs.append(timings["run_s"])
+        result = rp.replay(plan, policy=policy, capacities=caps)
+        runs.append(result.timing.run_s)
       row[configs] = min(runs)
     rows.append(row)
     print(

@@ -24,8 +24,6 @@ import sys
 import time
 
 from prefixjax import replay as rp
-from prefixjax.serving_replay import replay_vllm
-from prefixjax.sglang_replay import replay_sglang
 from prefixjax.workloads import default_workload, load_trace
 
 
@@ -42,28 +40,18 @@ def _args(argv):
 
 def run(trace, block_size, capacities, warmup_fraction):
   """``{semantics: [ReplayPoint, ...]}`` and the seconds each took."""
-  if trace.has_hash_ids:
-    hash_ids = trace.hash_ids
-  else:
-    hash_ids = trace.block_hash_ids(block_size)
-  plan = rp.prepare_replay(
-    hash_ids,
-    trace.input_lengths,
+  common = dict(
     block_size=block_size,
+    capacities=capacities,
     warmup_fraction=warmup_fraction,
   )
-  common = dict(block_size=block_size, warmup_fraction=warmup_fraction)
-  runs = {
-    "kvcache-sim": lambda: rp.replay(
-      plan, policy="lru_leaf", capacities=capacities
-    ),
-    "vllm": lambda: replay_vllm(trace, capacities=capacities, **common),
-    "sglang": lambda: replay_sglang(trace, capacities=capacities, **common),
-  }
+  policy = {"kvcache-sim": "lru_leaf"}
   points, seconds = {}, {}
-  for name, fn in runs.items():
+  for name in rp.SEMANTICS:
     start = time.perf_counter()
-    points[name] = fn()
+    points[name] = list(
+      rp.replay(trace, semantics=name, policy=policy.get(name), **common)
+    )
     seconds[name] = time.perf_counter() - start
     print(f"  {name}: {seconds[name]:.1f} s", file=sys.stderr, flush=True)
   return points, seconds

@@ -4,6 +4,13 @@ All cache bookkeeping is fixed-shape arrays in frozen pytrees, changed only by
 jitted pure functions, so it runs inside ``jit`` / ``scan`` and can be
 ``vmap``-ed over configurations. See ``DESIGN.md`` for the semantics.
 
+The layers, each a subpackage that imports only those below it:
+:mod:`prefixjax.cache` (paging core, hashing, prefix index, eviction
+policies, the prefix cache; ``prefixjax.cache.checked`` is its host-checked
+layer), :mod:`prefixjax.workloads` (trace loaders and generators) and
+:mod:`prefixjax.replay` (trace replay). The paging verbs are re-exported
+here; ``prefixjax.replay`` and ``prefixjax.plots`` load on first use.
+
 Example:
   >>> import prefixjax as pj
   >>> state = pj.init_paging(num_blocks=16, block_size=4, max_seqs=2,
@@ -13,20 +20,10 @@ Example:
   'OK'
 """
 
-from prefixjax import (
-  hashing,
-  index,
-  paging,
-  plots,
-  policies,
-  prefix_cache,
-  replay,
-  serving_replay,
-  sglang_replay,
-  victim_tree,
-  workloads,
-)
-from prefixjax.paging import (
+import importlib
+
+from prefixjax import cache, workloads
+from prefixjax.cache import (
   NO_BLOCK,
   NULL_BLOCK,
   AllocateResult,
@@ -40,12 +37,13 @@ from prefixjax.paging import (
   append,
   batch_view,
   check_invariants,
+  checked,
   copy_on_write,
   fork,
+  init_paging,
   release,
   slot_mapping,
 )
-from prefixjax.paging import init as init_paging
 from prefixjax.workloads import (
   Trace,
   TraceFormatError,
@@ -63,6 +61,16 @@ from prefixjax.workloads import (
 
 __version__ = "0.1.0"
 
+# Loaded on first use, so that `import prefixjax` imports no replay engine.
+_LAZY = ("plots", "replay")
+
+
+def __getattr__(name):
+  if name in _LAZY:
+    return importlib.import_module(f"prefixjax.{name}")
+  raise AttributeError(f"module 'prefixjax' has no attribute {name!r}")
+
+
 __all__ = [
   "NO_BLOCK",
   "NULL_BLOCK",
@@ -79,30 +87,24 @@ __all__ = [
   "allocate",
   "append",
   "batch_view",
+  "cache",
   "check_invariants",
+  "checked",
   "copy_on_write",
   "default_workload",
   "fork",
   "generate_workload",
-  "hashing",
-  "index",
   "init_paging",
   "load_csv_trace",
   "load_mooncake",
   "load_token_trace",
   "load_trace",
   "merge_traces",
-  "paging",
   "plots",
-  "policies",
-  "prefix_cache",
   "register_workload",
   "release",
   "replay",
-  "serving_replay",
-  "sglang_replay",
   "slot_mapping",
-  "victim_tree",
   "workload_defaults",
   "workload_kinds",
   "workloads",

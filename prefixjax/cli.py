@@ -14,7 +14,6 @@ Bad arguments and bad input files exit with status 2 and a one-line message;
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -136,7 +135,7 @@ def _nonnegative_int(text: str) -> int:
 
 
 def _add_replay(subparsers) -> None:
-  from prefixjax.replay import REPLAY_POLICIES
+  from prefixjax.replay.kvcache_sim import POLICIES as REPLAY_POLICIES
 
   p = subparsers.add_parser(
     "replay",
@@ -232,17 +231,65 @@ def _set_cpu_threads(threads: int) -> None:
     os.environ["NPROC"] = str(threads)
 
 
+def _warn(message: str) -> None:
+  print(f"prefixjax replay: warning: {message}", file=sys.stderr)
+
+
+def _check_output(flag: str, path: str) -> None:
+  """Refuses an output path whose folder is missing or not writable."""
+  folder = os.path.dirname(os.path.abspath(path))
+  if os.path.isdir(path):
+    raise CliError(f"{flag} {path}: is a directory, not a file")
+  if not os.path.isdir(folder):
+    raise CliError(f"{flag} {path}: folder {folder} does not exist")
+  if not os.access(folder, os.W_OK):
+    raise CliError(f"{flag} {path}: folder {folder} is not writable")
+
+
+def _check_replay_args(args) -> None:
+  """Flag rules checked before any work (the trace is not read yet)."""
+  if args.json:
+    _check_output("--json", args.json)
+  if args.plot:
+    _check_output("--plot", args.plot)
+    try:
+      from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+      raise CliError(
+        "--plot needs matplotlib: pip install 'prefixjax[plot]'"
+      ) from None
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    ext = os.path.splitext(args.plot)[1].lower().lstrip(".")
+    if ext not in kinds:
+      raise CliError(
+        f"--plot {args.plot}: unknown figure format {ext or '(none)'!r}; "
+        f"use one of {', '.join(sorted(kinds))}"
+      )
+  if args.publish != "early" and args.semantics != "vllm":
+    raise CliError(
+      f"--publish {args.publish} is a vllm-semantics rule; "
+      f"--semantics {args.semantics} has no publish choice"
+    )
+  if args.warmup_fraction >= 1.0:
+    raise CliError(
+      f"--warmup-fraction {args.warmup_fraction:g} leaves no request in the "
+      "measured window (use a value below 1)"
+    )
+  if args.capacity and 0 in args.capacity:
+    _warn("capacity 0 holds no block: its hit tokens are 0 by definition")
+
+
 def _cmd_replay(args) -> int:
   import time
 
   _set_cpu_threads(args.cpu_threads)
 
   import jax
-  import numpy as np
 
   from prefixjax import replay as rp
   from prefixjax.workloads import default_workload, load_trace
 
+  _check_replay_args(args)
   start = time.perf_counter()
   if args.trace:
     trace = load_trace(
@@ -252,25 +299,18 @@ def _cmd_replay(args) -> int:
     trace = default_workload()
   if args.semantics in SERVING:
     return _replay_serving(args, trace, time.perf_counter() - start)
-  if trace.has_hash_ids:
-    block_size = trace.hash_block_size
-    hash_ids = trace.hash_ids
-  elif trace.has_token_ids:
-    block_size = args.block_size or 16
-    hash_ids = trace.block_hash_ids(block_size)
-  else:
-    # Length-only traces carry no prefix information: every block is new.
-    block_size = args.block_size or 16
-    hash_ids = [
-      np.arange(-(-int(n) // block_size)) + (i << 32)
-      for i, n in enumerate(trace.input_lengths)
-    ]
-  plan = rp.prepare_replay(
-    hash_ids,
-    trace.input_lengths,
-    block_size=block_size,
+  if not (trace.has_hash_ids or trace.has_token_ids):
+    _warn(
+      f"{trace.name} has lengths only (no token ids, no hash ids): it "
+      "carries no prefix sharing, so every hit is 0"
+    )
+  # The loader read hash ids at --block-size (or the trace's own size).
+  plan = rp.plan_trace(
+    trace,
+    block_size=None if trace.has_hash_ids else args.block_size,
     warmup_fraction=args.warmup_fraction,
   )
+  block_size = plan.block_size
   load_s = time.perf_counter() - start
   capacities = args.capacity or [
     max(1, plan.unique_blocks * pct // 100) for pct in (1, 5, 10, 20)
@@ -289,21 +329,20 @@ def _cmd_replay(args) -> int:
       "policy lru (vLLM's free-queue order) needs --semantics vllm; "
       f"kvcache-sim policies are {', '.join(rp.REPLAY_POLICIES)}"
     )
-  timings: dict = {}
+  timing = rp.Timing()
   points = []
   bar = _progress(policies, "policies", "policy")
   for policy in bar:
     bar.set_postfix_str(policy)
-    points += rp.replay(
-      plan, policy=policy, capacities=capacities, timings=timings
-    )
+    result = rp.replay(plan, policy=policy, capacities=capacities)
+    timing, points = timing + result.timing, points + list(result)
   ceiling = rp.replay_ceiling(plan)
   if any(p.underfilled for p in points):
     print(
       "underfilled: the cache never filled during warm-up, so (as in "
       "kvcache-simulator) its hit tokens are reported as 0"
     )
-  return _report(args, trace, points, ceiling, load_s, timings)
+  return _report(args, trace, points, ceiling, load_s, timing)
 
 
 # Serving semantics: their one policy and what it is.
@@ -316,7 +355,7 @@ SERVING = {
 def _replay_serving(args, trace, load_s) -> int:
   import jax
 
-  from prefixjax import serving_replay, sglang_replay
+  from prefixjax import replay as rp
 
   policy, order = SERVING[args.semantics]
   if args.policy not in (None, [policy]):
@@ -324,10 +363,6 @@ def _replay_serving(args, trace, load_s) -> int:
       f"--semantics {args.semantics} uses {order}: pass --policy {policy} "
       f"(got {' '.join(args.policy)})"
     )
-  if args.semantics == "vllm":
-    run = functools.partial(serving_replay.replay_vllm, publish=args.publish)
-  else:
-    run = sglang_replay.replay_sglang
   if trace.has_token_ids:
     block_size = args.block_size or 16
     source = "token ids"
@@ -360,19 +395,21 @@ def _replay_serving(args, trace, load_s) -> int:
     f"jax {jax.__version__} on {jax.default_backend()}",
     flush=True,
   )
-  timings: dict = {}
+  timing = rp.Timing()
   points = []
   bar = _progress(capacities, "capacities", "capacity")
   for capacity in bar:
     bar.set_postfix_str(f"{capacity:,} blocks")
-    points += run(
+    result = rp.replay(
       trace,
+      semantics=args.semantics,
       block_size=block_size,
       capacities=[capacity],
       warmup_fraction=args.warmup_fraction,
-      timings=timings,
+      publish=args.publish,
     )
-  return _report(args, trace, points, None, load_s, timings)
+    timing, points = timing + result.timing, points + list(result)
+  return _report(args, trace, points, None, load_s, timing)
 
 
 def _progress(items, desc: str, unit: str):
@@ -384,15 +421,15 @@ def _progress(items, desc: str, unit: str):
   )
 
 
-def _report(args, trace, points, ceiling, load_s, timings) -> int:
+def _report(args, trace, points, ceiling, load_s, run_timing) -> int:
   """Prints the table and timings; writes ``--json`` and ``--plot``."""
   rows = [_point_row(p) for p in points]
   extra = [] if ceiling is None else [_point_row(ceiling)]
   print(_replay_table(rows + extra))
   timing = {
     "load_s": load_s,
-    "compile_s": timings["compile_s"],
-    "run_s": timings["run_s"],
+    "compile_s": run_timing.compile_s,
+    "run_s": run_timing.run_s,
   }
   print(
     f"load {load_s:.2f} s, compile {timing['compile_s']:.2f} s, run "

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from prefixjax import paging
+from prefixjax.cache import paging
 from prefixjax.workloads import Trace, generate_workload
 
 ALLOCATE, APPEND, FORK, RELEASE = range(4)
@@ -80,19 +80,19 @@ def _run(state: paging.PagingState, ops: jax.Array):
     kind, seq, arg = op[0], op[1], op[2]
 
     def do_allocate(s):
-      s, r = paging._allocate(s, seq, arg)
+      s, r = paging.allocate(s, seq, arg)
       return s, (r.status, jnp.int32(0))
 
     def do_append(s):
-      s, r = paging._append(s, seq, arg)
+      s, r = paging.append(s, seq, arg)
       return s, (r.status, r.num_copies)
 
     def do_fork(s):
-      s, status = paging._fork(s, seq, arg)
+      s, status = paging.fork(s, seq, arg)
       return s, (status, jnp.int32(0))
 
     def do_release(s):
-      s, r = paging._release(s, seq)
+      s, r = paging.release(s, seq)
       return s, (r.status, jnp.int32(0))
 
     state, (status, copies) = jax.lax.switch(

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from reference_models.paging_model import PagingModel
 
-from prefixjax import paging
+from prefixjax.cache import paging
 
 ALLOCATE, APPEND, FORK, COPY, RELEASE, PUBLISH, NOOP = range(7)
 NUM_KINDS = 7
@@ -41,29 +41,29 @@ def run_stream(state: paging.PagingState, ops: jax.Array):
     kind, a, b = op[0], op[1], op[2]
 
     def do_allocate(s):
-      s, r = paging._allocate(s, a, b)
+      s, r = paging.allocate(s, a, b)
       return s, pack(r.status, new=r.new_blocks)
 
     def do_append(s):
-      s, r = paging._append(s, a, b)
+      s, r = paging.append(s, a, b)
       return s, pack(r.status, new=r.new_blocks, src=r.src, dst=r.dst)
 
     def do_fork(s):
-      s, status = paging._fork(s, a, b)
+      s, status = paging.fork(s, a, b)
       return s, pack(status)
 
     def do_copy(s):
-      s, r = paging._copy_on_write(s, a)
+      s, r = paging.copy_on_write(s, a)
       return s, pack(r.status, src=r.src, dst=r.dst)
 
     def do_release(s):
-      s, r = paging._release(s, a)
+      s, r = paging.release(s, a)
       return s, pack(r.status, freed=r.freed_blocks)
 
     def do_publish(s):
       # Marks column b of sequence a published if the sequence holds it.
       seq = jnp.clip(a, 0, s.max_seqs - 1)
-      held = paging._blocks_for(s.num_tokens[seq], s.block_size)
+      held = paging.blocks_for(s.num_tokens[seq], s.block_size)
       ok = (a >= 0) & (a < s.max_seqs) & s.active[seq] & (b >= 0) & (b < held)
       block = s.block_tables[seq, jnp.clip(b, 0, m - 1)]
       published = paging.scatter(s.published, block[None], True, ok)

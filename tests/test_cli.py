@@ -292,3 +292,36 @@ def test_plot_hit_rates_writes_png(tmp_path):
   plot_hit_rates(rows, str(path), title="t", ceiling=0.5)
   data = path.read_bytes()
   assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+@pytest.mark.parametrize(
+  "extra, message",
+  [
+    (["--json", "/nonexistent/dir/x.json"], "--json /nonexistent/dir/x.json"),
+    (["--plot", "hits.xyz"], "unknown figure format 'xyz'"),
+    (["--publish", "late"], "--publish late is a vllm-semantics rule"),
+    (["--warmup-fraction", "1"], "leaves no request in the measured window"),
+  ],
+)
+def test_cli_replay_flags_are_checked_before_the_trace_is_read(
+  extra, message, tmp_path, capsys
+):
+  # The trace does not exist: a flag error must come first, before any
+  # loading (and so before any compile or run).
+  if "--plot" in extra:
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed")
+  missing = tmp_path / "not_there.jsonl"
+  argv = ["replay", "--trace", str(missing), *extra]
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err
+  assert message in err and "not found" not in err
+
+
+def test_cli_replay_warns_that_length_only_traces_never_hit(tmp_path, capsys):
+  trace = tmp_path / "lengths.csv"
+  trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,40,2\n1,50,3\n")
+  argv = ["replay", "--trace", str(trace), "--capacity", "0", "4"]
+  assert cli.main(argv + ["--warmup-fraction", "0"]) == 0
+  err = capsys.readouterr().err
+  assert "carries no prefix sharing, so every hit is 0" in err
+  assert "capacity 0 holds no block" in err

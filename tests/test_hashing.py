@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from prefixjax import hashing
+from prefixjax.cache import hashing
 
 K = 4
 

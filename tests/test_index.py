@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 
-from prefixjax import index
+from prefixjax.cache import index
 
 S = index.IndexStatus
 
@@ -108,13 +108,13 @@ def test_probing_wraps_around_the_table():
 @jax.jit
 def _apply(idx, op, key, value):
   def do_insert(i):
-    return index._insert(i, key, value, jnp.bool_(True))
+    return index.insert(i, key, value, jnp.bool_(True))
 
   def do_delete(i):
-    return index._delete(i, key, jnp.bool_(True))
+    return index.delete(i, key, jnp.bool_(True))
 
   def do_update(i):
-    return index._update(i, key, value, jnp.bool_(True))
+    return index.update(i, key, value, jnp.bool_(True))
 
   return jax.lax.switch(op, [do_insert, do_delete, do_update], idx)
 
@@ -200,7 +200,7 @@ def test_many_keys_with_churn(rng, max_load, max_probes, max_refused):
   def insert_all(idx, keys, values):
     def body(i, c):
       idx, status = c
-      idx, r = index._insert(idx, keys[i], values[i], jnp.bool_(True))
+      idx, r = index.insert(idx, keys[i], values[i], jnp.bool_(True))
       return idx, status.at[i].set(r.status)
 
     status = jnp.zeros(keys.shape[0], jnp.int32)
@@ -210,7 +210,7 @@ def test_many_keys_with_churn(rng, max_load, max_probes, max_refused):
   def delete_all(idx, keys):
     def body(i, c):
       idx, bad = c
-      idx, r = index._delete(idx, keys[i], jnp.bool_(True))
+      idx, r = index.delete(idx, keys[i], jnp.bool_(True))
       return idx, bad + (r.status != S.OK).astype(jnp.int32)
 
     return jax.lax.fori_loop(0, keys.shape[0], body, (idx, jnp.int32(0)))
@@ -249,5 +249,5 @@ def test_lookup_vmaps_over_tables():
   a, _ = index.insert(a, _key(5, 6), 1)
   b, _ = index.insert(b, _key(5, 6), 2)
   both = jax.tree.map(lambda x, y: jnp.stack([x, y]), a, b)
-  got = jax.vmap(index._lookup, in_axes=(0, None))(both, _keys([[5, 6]]))
+  got = jax.vmap(index.lookup, in_axes=(0, None))(both, _keys([[5, 6]]))
   assert got.tolist() == [[1], [2]]

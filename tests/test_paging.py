@@ -15,7 +15,8 @@ import pytest
 from hypothesis import strategies as st
 from reference_models import paging_model
 
-from prefixjax import paging
+from prefixjax.cache import paging
+from prefixjax.cache.checked import paging as checked
 
 SIZES = [
   dict(num_blocks=9, block_size=4, max_seqs=4, max_blocks_per_seq=3),
@@ -71,17 +72,17 @@ def test_init_rejects_non_int():
 def test_verbs_reject_bad_arguments_at_the_boundary():
   state = _small()
   with pytest.raises(ValueError, match="num_tokens=-1 must be >= 0"):
-    paging.allocate(state, 0, -1)
+    checked.allocate(state, 0, -1)
   with pytest.raises(TypeError, match="seq_id must have an integer dtype"):
-    paging.allocate(state, jnp.float32(0), 3)
+    checked.allocate(state, jnp.float32(0), 3)
   with pytest.raises(ValueError, match="seq_id must be a scalar"):
-    paging.release(state, jnp.zeros(2, jnp.int32))
+    checked.release(state, jnp.zeros(2, jnp.int32))
   with pytest.raises(TypeError, match="not a bool"):
-    paging.fork(state, True, 1)
+    checked.fork(state, True, 1)
   with pytest.raises(TypeError, match="state must be a PagingState"):
-    paging.release({"block_tables": 0}, 0)
+    checked.release({"block_tables": 0}, 0)
   with pytest.raises(ValueError, match="positions must be 1-D"):
-    paging.slot_mapping(state, jnp.zeros(2, jnp.int32), jnp.zeros((2, 1)))
+    checked.slot_mapping(state, jnp.zeros(2, jnp.int32), jnp.zeros((2, 1)))
 
 
 def test_traced_bad_values_become_status_and_state_is_unchanged():
@@ -313,12 +314,12 @@ def test_each_verb_compiles_once_across_inputs(rng):
       s, _ = traced(s, jnp.int32(a), jnp.int32(b))
     assert s.num_blocks == 32, name
   # The public wrappers hit one cached executable for Python ints and arrays.
-  before = paging._allocate._cache_size()
+  before = paging.allocate._cache_size()
   s = state
   for a, b in rng.integers(0, 4, size=(5, 2)).tolist():
-    s, _ = paging.allocate(s, a, b)
-    s, _ = paging.allocate(s, np.int32(a), np.int64(b))
-  assert paging._allocate._cache_size() - before <= 1
+    s, _ = checked.allocate(s, a, b)
+    s, _ = checked.allocate(s, np.int32(a), np.int64(b))
+  assert paging.allocate._cache_size() - before <= 1
 
 
 def test_vmap_over_configurations_equals_one_at_a_time(rng):

@@ -24,8 +24,9 @@ import numpy as np
 import pytest
 from reference_models import policy_models, sglang_radix, vllm_apc
 
-from prefixjax import hashing, paging, policies
-from prefixjax import prefix_cache as pc
+from prefixjax.cache import hashing, paging, policies
+from prefixjax.cache import prefix_cache as pc
+from prefixjax.cache.checked import prefix_cache as checked
 
 K = 4
 M = 8
@@ -112,9 +113,9 @@ def _steps(state, tokens, lens, salts, next_use):
     toks, p, salt, nu = req
     keys, _ = hashing.block_hashes(toks, p, block_size=K, extra=salt[None])
     seq = jnp.int32(0)
-    state, a = pc._allocate_with_prefix(state, seq, keys, p, nu)
-    state, pub = pc._publish(state, seq, keys, p, nu)
-    state, _ = pc._release(state, seq)
+    state, a = pc.allocate_with_prefix(state, seq, keys, p, nu)
+    state, pub = pc.publish(state, seq, keys, p, nu)
+    state, _ = pc.release(state, seq)
     return state, dict(
       status=a.status,
       hit_tokens=a.hit_tokens,
@@ -317,17 +318,17 @@ def _run_decode(state, tokens, lens, outs, salts):
     total = p + o - 1
     keys, _ = hashing.block_hashes(toks, total, block_size=K, extra=salt[None])
     seq = jnp.int32(0)
-    state, a = pc._allocate_with_prefix(state, seq, keys, p)
-    state, _ = pc._publish(state, seq, keys, p)
+    state, a = pc.allocate_with_prefix(state, seq, keys, p)
+    state, _ = pc.publish(state, seq, keys, p)
 
     def decode(i, c):
       state, bad = c
-      state, ap = pc._append(state, seq, jnp.int32(1))
-      state, _ = pc._publish(state, seq, keys, p + i + 1)
+      state, ap = pc.append(state, seq, jnp.int32(1))
+      state, _ = pc.publish(state, seq, keys, p + i + 1)
       return state, bad | (ap.status != 0)
 
     state, bad = jax.lax.fori_loop(0, o - 1, decode, (state, False))
-    state, _ = pc._release(state, seq)
+    state, _ = pc.release(state, seq)
     return state, (a.status, bad, a.hit_tokens, a.new_blocks)
 
   return jax.lax.scan(step, state, (tokens, lens, outs, salts))
@@ -431,7 +432,7 @@ def test_registry_and_init_errors():
   state = pc.init(8, K, max_seqs=1, max_blocks_per_seq=M)
   assert state.policy is policies.lru() and state.free_order == "append"
   with pytest.raises(ValueError, match="next_use"):
-    pc.allocate_with_prefix(
+    checked.allocate_with_prefix(
       state, 0, jnp.zeros((1, 2), jnp.uint32), 4, next_use=jnp.zeros((2, 2))
     )
   assert paging.Status.OK == 0
@@ -462,8 +463,8 @@ def test_leaf_fallback_when_every_free_parent_has_a_pinned_child():
     nonlocal state
     seq = prompt + list(decode)
     keys, _ = hashing.block_hashes(jnp.asarray(seq), len(seq), block_size=K)
-    state, r = pc.allocate_with_prefix(state, 0, keys, len(prompt))
-    state, _ = pc.publish(state, 0, keys, len(prompt))
+    state, r = checked.allocate_with_prefix(state, 0, keys, len(prompt))
+    state, _ = checked.publish(state, 0, keys, len(prompt))
     model.add_request(rid, prompt)
     hits, hit = model.get_computed_blocks(rid)
     new = model.allocate_slots(rid, len(prompt) - hit, hits)
@@ -471,7 +472,7 @@ def test_leaf_fallback_when_every_free_parent_has_a_pinned_child():
     assert r.new_blocks[: len(new)].tolist() == new
     for k, tok in enumerate(decode):
       state, a = pc.append(state, 0, 1)
-      state, _ = pc.publish(state, 0, keys, len(prompt) + k + 1)
+      state, _ = checked.publish(state, 0, keys, len(prompt) + k + 1)
       model.append_tokens(rid, [tok])
       want = model.allocate_slots(rid, 1)
       assert a.new_blocks[: len(want)].tolist() == want

@@ -50,7 +50,7 @@ from hypothesis import strategies as st
 from reference_models import sglang_radix
 from test_policies import K, M, N, T, _run_decode
 
-from prefixjax import prefix_cache as pc
+from prefixjax.cache import prefix_cache as pc
 
 R = 64  # requests per scan (real ones, then fillers): one compilation
 MIN_REQUESTS = 16

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from reference_models import vllm_apc
 
-from prefixjax import hashing
-from prefixjax import index as index_lib
-from prefixjax import prefix_cache as pc
+from prefixjax.cache import hashing, prefix_state
+from prefixjax.cache import index as index_lib
+from prefixjax.cache import prefix_cache as pc
 
 K = 4
 M = 12
@@ -47,14 +47,14 @@ def _run_workload(state, tokens, prompt_lens, output_lens, salts, bumps):
     state = state.replace(version=state.version + bump.astype(jnp.uint32))
     total = p + o - 1
     keys, _ = hashing.block_hashes(toks, total, block_size=K, extra=salt[None])
-    vkeys = pc._versioned(state, keys)
+    vkeys = prefix_state.versioned(state, keys)
     seq = jnp.int32(0)
-    state, a = pc._allocate_with_prefix(state, seq, keys, p)
-    state, pub1 = pc._publish(state, seq, keys, p)
-    state, ap = pc._append(state, seq, o - 1)
-    state, pub2 = pc._publish(state, seq, keys, total)
+    state, a = pc.allocate_with_prefix(state, seq, keys, p)
+    state, pub1 = pc.publish(state, seq, keys, p)
+    state, ap = pc.append(state, seq, o - 1)
+    state, pub2 = pc.publish(state, seq, keys, total)
     held = state
-    state, rel = pc._release(state, seq)
+    state, rel = pc.release(state, seq)
     out = dict(
       status=a.status,
       hit_tokens=a.hit_tokens,

@@ -18,8 +18,9 @@ import pytest
 from hypothesis import strategies as st
 from reference_models import vllm_apc
 
-from prefixjax import hashing, paging
-from prefixjax import prefix_cache as pc
+from prefixjax.cache import hashing, paging
+from prefixjax.cache import prefix_cache as pc
+from prefixjax.cache.checked import prefix_cache as checked
 
 K = 4
 M = 10
@@ -411,14 +412,14 @@ def test_mooncake_hash_ids_match_the_oracle(rng):
 
 def test_each_verb_compiles_once(rng):
   s = pc.init(N, K, max_seqs=S, max_blocks_per_seq=M)
-  traced_match = jax.jit(chex.assert_max_traces(pc.match, n=1))
+  traced_match = jax.jit(chex.assert_max_traces(checked.match, n=1))
   verbs = [
-    pc._allocate_with_prefix,
-    pc._publish,
-    pc._append,
-    pc._release,
-    pc._invalidate,
-    pc._match_jit,
+    pc.allocate_with_prefix,
+    pc.publish,
+    pc.append,
+    pc.release,
+    pc.invalidate,
+    pc.match,
   ]
   before = [v._cache_size() for v in verbs]
   for i in range(6):
@@ -426,12 +427,12 @@ def test_each_verb_compiles_once(rng):
     toks = rng.integers(0, 3, size=M * K).astype(np.int32)
     keys, _ = hashing.block_hashes(jnp.asarray(toks), n, block_size=K)
     seq = [0, np.int32(1), np.int64(2)][i % 3]
-    s, _ = pc.allocate_with_prefix(s, seq, keys, n)
-    s, _ = pc.publish(s, seq, keys[: 3 + i % 2], n)  # keys padded to [M, 2]
-    s, _ = pc.append(s, seq, 3)
+    s, _ = checked.allocate_with_prefix(s, seq, keys, n)
+    s, _ = checked.publish(s, seq, keys[: 3 + i % 2], n)  # padded to [M, 2]
+    s, _ = checked.append(s, seq, 3)
     traced_match(s, keys, jnp.int32(n))
-    s, _ = pc.release(s, seq)
-    s, _ = pc.invalidate(s)
+    s, _ = checked.release(s, seq)
+    s, _ = checked.invalidate(s)
   after = [v._cache_size() for v in verbs]
   assert all(a - b <= 1 for a, b in zip(after, before, strict=True))
   assert pc.check_invariants(s) == []
@@ -453,7 +454,7 @@ def test_vmap_over_caches_equals_loop(rng):
     lens.append(13 + i)
   batch = jax.tree.map(lambda *x: jnp.stack(x), *states)
   seqs = jnp.zeros(3, jnp.int32)
-  out, res = jax.vmap(pc._allocate_with_prefix)(
+  out, res = jax.vmap(pc.allocate_with_prefix)(
     batch, seqs, jnp.stack(keys), jnp.asarray(lens, jnp.int32)
   )
   for i in range(3):
@@ -466,11 +467,11 @@ def test_vmap_over_caches_equals_loop(rng):
 def test_boundary_errors():
   s = pc.init(N, K, max_seqs=S, max_blocks_per_seq=M)
   with pytest.raises(ValueError, match=r"block_keys must be uint32 of shape"):
-    pc.match(s, jnp.zeros((3, 2), jnp.int32), 4)
+    checked.match(s, jnp.zeros((3, 2), jnp.int32), 4)
   with pytest.raises(TypeError, match="state must be a PrefixCacheState"):
-    pc.release(s.paging, 0)
+    checked.release(s.paging, 0)
   with pytest.raises(ValueError, match="num_prompt_tokens=-1 must be >= 0"):
-    pc.allocate_with_prefix(s, 0, jnp.zeros((2, 2), jnp.uint32), -1)
+    checked.allocate_with_prefix(s, 0, jnp.zeros((2, 2), jnp.uint32), -1)
   with pytest.raises(ValueError, match=r"max_load=0.9 must be in"):
     pc.init(N, K, max_seqs=S, max_blocks_per_seq=M, index_load=0.9)
   with pytest.raises(ValueError, match="capacity=16 too small"):

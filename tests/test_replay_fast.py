@@ -1,6 +1,6 @@
 """The per-request replay engine against the per-event one and the model.
 
-``prefixjax.replay_fast.replay_fast`` must give the same points as
+``prefixjax.replay.replay(engine="request")`` must give the same points as
 ``prefixjax.replay.replay`` (and so as the plain-Python model of
 kvcache-simulator, ``tests/reference_models/kvcache_sim.py``), request for
 request, on random hash-id traces with heavy sharing and tight capacities,
@@ -17,7 +17,12 @@ from reference_models import kvcache_sim
 from test_replay import PUBLISHED, mooncake_plan
 
 from prefixjax import replay as rp
-from prefixjax.replay_fast import FAST_POLICIES, replay_fast
+
+FAST_POLICIES = rp.REPLAY_POLICIES
+
+
+def replay_fast(plan, **kwargs):
+  return rp.replay(plan, engine="request", **kwargs)
 
 
 def _random_trace(rng, num_requests, block_size):

@@ -20,7 +20,13 @@ from test_replay_fast import (
 )
 
 from prefixjax import replay as rp
-from prefixjax.replay_keys import KEY_POLICIES, lru_hit_capacities, replay_keys
+from prefixjax.replay.kvcache_sim.stack import lru_hit_capacities
+
+KEY_POLICIES = ("lru_leaf", "belady_leaf")
+
+
+def replay_keys(plan, **kwargs):
+  return rp.replay(plan, engine="keys", **kwargs)
 
 
 def _plan(rng, num_requests):

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from reference_models import shared_trace, shared_traces_dir, vllm_apc
 
-from prefixjax import serving_replay, vllm_replay
-from prefixjax.serving_replay import replay_vllm
+from prefixjax.replay import vllm as serving_replay
+from prefixjax.replay import vllm_engine as vllm_replay
+from prefixjax.replay.vllm import replay_vllm
 from prefixjax.workloads import Trace, generate_workload, load_mooncake
 
 MOONCAKE = "mooncake_conversation_trace.jsonl"
@@ -225,8 +226,8 @@ def test_early_publishing_lets_an_overlapping_request_share():
   publishing it cannot until the first finishes."""
   import jax.numpy as jnp
 
-  from prefixjax import hashing
-  from prefixjax import prefix_cache as pc
+  from prefixjax.cache import hashing
+  from prefixjax.cache import prefix_cache as pc
 
   tokens = jnp.arange(1, 33, dtype=jnp.int32)
   keys, _ = hashing.block_hashes(tokens, 14, block_size=4)
@@ -281,7 +282,7 @@ def test_engine_equals_general_verbs(kind, rng):
   capacities = [need + int(rng.integers(0, 4)), 2 * need]
   publish = str(rng.choice(serving_replay.PUBLISH_MODES))
   fast = vllm_replay.replay_hits(trace, block_size, capacities)
-  general = serving_replay._general_hits(
+  general = serving_replay.general_hits(
     trace, block_size, capacities, publish=publish
   )
   for capacity, a, b in zip(capacities, fast, general, strict=True):

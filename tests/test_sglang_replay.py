@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from reference_models.sglang_radix import SglangRadixCache
 
-from prefixjax import sglang_replay
-from prefixjax.sglang_replay import replay_sglang
+from prefixjax.replay import sglang as sglang_replay
+from prefixjax.replay.sglang import replay_sglang
 from prefixjax.workloads import Trace, generate_workload, load_mooncake
 
 MOONCAKE = (
@@ -55,7 +55,7 @@ def _min_capacity(trace: Trace, block_size: int) -> int:
 
 
 def _check_against_oracle(trace, block_size, capacities):
-  hits, free = sglang_replay._replay_arrays(trace, block_size, capacities)
+  hits, free = sglang_replay.hits_and_free(trace, block_size, capacities)
   for i, capacity in enumerate(capacities):
     want_hits, want_free = _oracle(trace, block_size, capacity)
     got = hits[i].tolist()
@@ -182,16 +182,11 @@ def test_vmaps_over_capacities(rng):
   block_size = 4
   need = _min_capacity(trace, block_size)
   capacities = [need, need + 2, 10 * need]
-  plan = sglang_replay._plan(trace, block_size)
-  consts = (jnp.asarray(plan.pages.reshape(-1)), jnp.asarray(plan.depth))
-  xs = (
-    jnp.arange(len(trace), dtype=jnp.int32),
-    jnp.asarray(plan.prompt_lens),
-    jnp.asarray(plan.output_lens),
-  )
-  one = functools.partial(sglang_replay._replay_one, block_size=block_size)
-  hits, free, bad = jax.jit(jax.vmap(one, in_axes=(None, None, 0)))(
-    consts, xs, jnp.asarray(capacities, jnp.int32)
+  engine = sglang_replay.ENGINE
+  prepared = engine.prepare(trace, capacities, block_size=block_size)
+  one = functools.partial(engine.run, **prepared.static)
+  hits, free, bad = jax.jit(jax.vmap(one, in_axes=(None, 0)))(
+    prepared.arrays, jnp.asarray(capacities, jnp.int32)
   )
   assert not np.asarray(bad).any()
   for i, capacity in enumerate(capacities):
@@ -216,15 +211,13 @@ def test_points_sum_the_measured_window():
     hash_ids=[np.array([1, 2]), np.array([1, 2, 3]), [1, 2, 3], [7]],
     hash_block_size=4,
   )
-  timings = {}
   points = replay_sglang(
     trace,
     block_size=4,
     capacities=[4, 8],
     warmup_fraction=0.5,
-    timings=timings,
   )
-  assert set(timings) == {"compile_s", "run_s"}
+  assert points.timing.compile_s >= 0.0 and points.timing.run_s > 0.0
   for point, capacity in zip(points, [4, 8], strict=True):
     assert point.policy == "lru_leaf"
     assert point.capacity_blocks == capacity and point.block_size == 4

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from prefixjax import victim_tree as vt
-from prefixjax.paging import NO_BLOCK
+from prefixjax.cache import victim_tree as vt
+from prefixjax.cache.paging import NO_BLOCK
 
 
 def numpy_best(valid, score, depth):

@@ -319,4 +319,4 @@ def test_register_a_user_defined_kind():
     with pytest.raises(ValueError, match="already registered"):
       register_workload("test_only_echo")(echo)
   finally:
-    synthetic_module._KINDS.pop("test_only_echo", None)
+    synthetic_module.unregister_workload("test_only_echo")

@@ -18,15 +18,22 @@ from prefixjax.workloads.synthetic import (
   default_workload,
   generate_workload,
   register_workload,
+  unregister_workload,
   workload_defaults,
   workload_kinds,
 )
-from prefixjax.workloads.trace import Trace, TraceFormatError, merge_traces
+from prefixjax.workloads.trace import (
+  PrefixNumbering,
+  Trace,
+  TraceFormatError,
+  merge_traces,
+)
 
 __all__ = [
   "DEFAULT_MOONCAKE_BLOCK_SIZE",
   "DEFAULT_VOCAB_SIZE",
   "TRACE_FORMATS",
+  "PrefixNumbering",
   "Trace",
   "TraceFormatError",
   "default_workload",
@@ -37,6 +44,7 @@ __all__ = [
   "load_trace",
   "merge_traces",
   "register_workload",
+  "unregister_workload",
   "workload_defaults",
   "workload_kinds",
 ]

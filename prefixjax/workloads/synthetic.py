@@ -49,6 +49,7 @@ __all__ = [
   "default_workload",
   "generate_workload",
   "register_workload",
+  "unregister_workload",
   "workload_defaults",
   "workload_kinds",
 ]
@@ -212,6 +213,15 @@ def register_workload(kind: str) -> Callable[[WorkloadFn], WorkloadFn]:
     return function
 
   return decorator
+
+
+def unregister_workload(kind: str) -> None:
+  """Removes a registered workload kind (a no-op if it is not registered).
+
+  For notebooks and tests that register a kind for a while; the built-in
+  kinds can be removed too, until the process restarts.
+  """
+  _KINDS.pop(kind, None)
 
 
 def workload_kinds() -> dict[str, str]:

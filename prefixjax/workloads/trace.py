@@ -361,17 +361,54 @@ class Trace:
       raise ValueError(
         f"trace {self.name!r} has no input_token_ids to cut blocks from"
       )
-    ids: dict[tuple[int, bytes], int] = {}
+    numbering = PrefixNumbering()
     result = []
     for tokens in self.input_token_ids:
-      parent = -1
+      node = 0
       row = np.empty(math.ceil(tokens.shape[0] / block_size), np.int64)
       for j in range(row.shape[0]):
-        key = (parent, tokens[j * block_size : (j + 1) * block_size].tobytes())
-        parent = ids.setdefault(key, len(ids))
-        row[j] = parent
+        block = tokens[j * block_size : (j + 1) * block_size].tobytes()
+        node = numbering.child(node, block)
+        row[j] = node - 1
       result.append(row)
     return result
+
+
+class PrefixNumbering:
+  """Numbers the nodes of a prefix trie on the host, in order of first sight.
+
+  A block's identity is its whole prefix: node ``child(parent, key)`` is the
+  same id every time the same ``key`` follows the same ``parent`` node. Node
+  0 is the root; new nodes get ``1, 2, ...``. Every replay plan and
+  :meth:`Trace.block_hash_ids` number blocks through this one rule.
+
+  Example:
+    >>> n = PrefixNumbering()
+    >>> a = n.child(0, "x"); b = n.child(a, "y"); c = n.child(0, "x")
+    >>> (a, b, c, n.parent)
+    (1, 2, 1, [0, 0, 1])
+  """
+
+  def __init__(self):
+    self._ids: dict = {}
+    self.parent: list[int] = [0]
+    """``parent[v]`` of every node ``v`` (``parent[0] = 0``)."""
+
+  def __len__(self) -> int:
+    """Nodes numbered so far, the root included."""
+    return len(self.parent)
+
+  def child(self, parent: int, key) -> int:
+    """The node of ``key`` under ``parent`` (numbered now if new)."""
+    node = self._ids.setdefault((parent, key), len(self.parent))
+    if node == len(self.parent):
+      self.parent.append(parent)
+    return node
+
+  def fresh(self, parent: int) -> int:
+    """A new node under ``parent`` that no later key reaches."""
+    self.parent.append(parent)
+    return len(self.parent) - 1
 
 
 def merge_traces(

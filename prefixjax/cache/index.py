@@ -5,8 +5,8 @@ of two), tombstones for deletion, and a hard probe bound ``P``
 (``max_probes``).
 
 * A key's home slot is ``key[0] & (C - 1)`` (lane 0 of a
-  :mod:`prefixjax.hashing` key is already well mixed); probe ``i`` looks at
-  ``(home + i) & (C - 1)`` for ``i < P``.
+  :mod:`prefixjax.cache.hashing` key is already well mixed); probe ``i``
+  looks at ``(home + i) & (C - 1)`` for ``i < P``.
 * ``values[s]`` is the slot's value (``>= 0``), ``EMPTY`` (-1) or
   ``TOMBSTONE`` (-2); ``keys[s]`` is meaningful only for a live slot.
 * Invariant: every live key sits within ``P`` probes of its home and no slot
@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from prefixjax import paging
+from prefixjax._masked import barrier
 
 __all__ = [
   "EMPTY",
@@ -157,7 +157,7 @@ def init(
       capacity whose load would exceed ``max_load``.
 
   Example:
-    >>> from prefixjax import index
+    >>> from prefixjax.cache import index
     >>> idx = index.init(num_keys=100, max_load=0.5)
     >>> idx.capacity
     256
@@ -227,11 +227,20 @@ def _probe(index: IndexState, key: jax.Array):
   return found, free
 
 
-def _lookup(index: IndexState, keys: jax.Array, mask=None) -> jax.Array:
-  """Vectorised lookup: all ``L`` lanes probe together until decided.
+@jax.jit
+def lookup(index: IndexState, keys: jax.Array, mask=None) -> jax.Array:
+  """Values of ``keys`` (``[L, 2]`` uint32); ``NO_VALUE`` where absent.
 
-  Lanes where ``mask`` (``[L]`` bool) is false do not probe and read
-  ``NO_VALUE``.
+  All ``L`` lanes probe together until decided. Lanes where ``mask``
+  (``[L]`` bool) is false do not probe and read ``NO_VALUE``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from prefixjax.cache import index
+    >>> idx = index.init(num_keys=4)
+    >>> idx, r = index.insert(idx, jnp.array([7, 9], jnp.uint32), 3)
+    >>> index.lookup(idx, jnp.array([[7, 9], [7, 8]], jnp.uint32)).tolist()
+    [3, -1]
   """
   cap = index.capacity
   home = _home(index, keys)  # [L]
@@ -263,14 +272,28 @@ def _lookup(index: IndexState, keys: jax.Array, mask=None) -> jax.Array:
   return out
 
 
-def _insert(index: IndexState, key, value, ok):
+@jax.jit
+def insert(index: IndexState, key, value, ok=True):
+  """Inserts ``key -> value`` if the key is absent.
+
+  Args:
+    index: the map.
+    key: ``[2]`` uint32.
+    value: int32 scalar ``>= 0`` (a negative value is ``SKIPPED``).
+    ok: bool scalar; when false nothing happens (status ``SKIPPED``).
+
+  Returns:
+    ``(new_index, InsertResult)``: status ``OK``, ``PRESENT`` (the stored
+    value is returned, nothing changes) or ``PROBE_LIMIT`` (no free slot
+    within ``max_probes``, nothing changes).
+  """
+  value = jnp.asarray(value, jnp.int32)
+  ok = jnp.asarray(ok, jnp.bool_) & (value >= 0)
   found, free = _probe(index, key)
   old = index.values.at[jnp.maximum(found, 0)].get(mode="clip")
   was_tomb = index.values.at[jnp.maximum(free, 0)].get(mode="clip") == TOMBSTONE
-  # paging.barrier's anchor: count is >= 0, never -7, at run time.
-  found, free, old, was_tomb = paging.barrier(
-    index.count, found, free, old, was_tomb
-  )
+  # barrier's anchor: count is >= 0, never -7, at run time.
+  found, free, old, was_tomb = barrier(index.count, found, free, old, was_tomb)
   status = jnp.where(
     ~ok,
     IndexStatus.SKIPPED,
@@ -291,10 +314,15 @@ def _insert(index: IndexState, key, value, ok):
   return index, InsertResult(status, jnp.where(found >= 0, old, NO_VALUE))
 
 
-def _update(index: IndexState, key, value, ok):
+@jax.jit
+def update(index: IndexState, key, value, ok=True):
+  """Replaces the value of a present ``key``; status ``ABSENT`` otherwise
+  (``SKIPPED`` when not ``ok`` or ``value < 0``)."""
+  value = jnp.asarray(value, jnp.int32)
+  ok = jnp.asarray(ok, jnp.bool_) & (value >= 0)
   found, _ = _probe(index, key)
   old = index.values.at[jnp.maximum(found, 0)].get(mode="clip")
-  found, old = paging.barrier(index.count, found, old)
+  found, old = barrier(index.count, found, old)
   status = jnp.where(
     ~ok,
     IndexStatus.SKIPPED,
@@ -305,14 +333,17 @@ def _update(index: IndexState, key, value, ok):
   return index, InsertResult(status, jnp.where(found >= 0, old, NO_VALUE))
 
 
-def _delete(index: IndexState, key, ok):
+@jax.jit
+def delete(index: IndexState, key, ok=True):
+  """Removes ``key``; returns its old value, status ``ABSENT`` if missing."""
+  ok = jnp.asarray(ok, jnp.bool_)
   cap = index.capacity
   found, _ = _probe(index, key)
   old = index.values.at[jnp.maximum(found, 0)].get(mode="clip")
   next_empty = (
     index.values.at[(found + 1) & (cap - 1)].get(mode="clip") == EMPTY
   )
-  found, old, next_empty = paging.barrier(index.count, found, old, next_empty)
+  found, old, next_empty = barrier(index.count, found, old, next_empty)
   status = jnp.where(
     ~ok,
     IndexStatus.SKIPPED,
@@ -335,7 +366,7 @@ def _delete(index: IndexState, key, ok):
 
   # Count the tombstones to clear (read only), then write once.
   _, num_cleared = jax.lax.while_loop(cond, body, (jnp.int32(0), jnp.int32(0)))
-  num_cleared = paging.barrier(index.count, num_cleared)[0]
+  num_cleared = barrier(index.count, num_cleared)[0]
   # One scatter that depends on the loop above, so XLA cannot schedule a
   # write before the loop's reads (which would copy ``values``).
   lanes = jnp.arange(index.max_probes)
@@ -356,85 +387,6 @@ def _delete(index: IndexState, key, ok):
     - num_cleared,
   )
   return index, InsertResult(status, jnp.where(found >= 0, old, NO_VALUE))
-
-
-def _check_key(key, shape_name: str, batch: bool) -> jax.Array:
-  key = jnp.asarray(key)
-  want = 2 if batch else 1
-  if key.ndim != want or key.shape[-1] != 2 or key.dtype != jnp.uint32:
-    raise ValueError(
-      f"{shape_name} must be uint32 of shape {'[L, 2]' if batch else '[2]'}, "
-      f"got {key.shape} {key.dtype}"
-    )
-  return key
-
-
-@jax.jit
-def _lookup_jit(index, keys):
-  return _lookup(index, keys)
-
-
-def lookup(index: IndexState, keys) -> jax.Array:
-  """Values of ``keys`` (``[L, 2]`` uint32); ``NO_VALUE`` where absent.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from prefixjax import index
-    >>> idx = index.init(num_keys=4)
-    >>> idx, r = index.insert(idx, jnp.array([7, 9], jnp.uint32), 3)
-    >>> index.lookup(idx, jnp.array([[7, 9], [7, 8]], jnp.uint32)).tolist()
-    [3, -1]
-  """
-  return _lookup_jit(index, _check_key(keys, "keys", True))
-
-
-@jax.jit
-def _insert_jit(index, key, value, ok):
-  return _insert(index, key, value, ok & (value >= 0))
-
-
-def insert(index: IndexState, key, value, ok=True):
-  """Inserts ``key -> value`` if the key is absent.
-
-  Args:
-    index: the map.
-    key: ``[2]`` uint32.
-    value: int32 scalar ``>= 0`` (a negative value is ``SKIPPED``).
-    ok: bool scalar; when false nothing happens (status ``SKIPPED``).
-
-  Returns:
-    ``(new_index, InsertResult)``: status ``OK``, ``PRESENT`` (the stored
-    value is returned, nothing changes) or ``PROBE_LIMIT`` (no free slot
-    within ``max_probes``, nothing changes).
-  """
-  key = _check_key(key, "key", False)
-  return _insert_jit(
-    index, key, jnp.asarray(value, jnp.int32), jnp.asarray(ok, jnp.bool_)
-  )
-
-
-@jax.jit
-def _update_jit(index, key, value, ok):
-  return _update(index, key, value, ok & (value >= 0))
-
-
-def update(index: IndexState, key, value, ok=True):
-  """Replaces the value of a present ``key``; status ``ABSENT`` otherwise."""
-  key = _check_key(key, "key", False)
-  return _update_jit(
-    index, key, jnp.asarray(value, jnp.int32), jnp.asarray(ok, jnp.bool_)
-  )
-
-
-@jax.jit
-def _delete_jit(index, key, ok):
-  return _delete(index, key, ok)
-
-
-def delete(index: IndexState, key, ok=True):
-  """Removes ``key``; returns its old value, status ``ABSENT`` if missing."""
-  key = _check_key(key, "key", False)
-  return _delete_jit(index, key, jnp.asarray(ok, jnp.bool_))
 
 
 def check_invariants(index: IndexState) -> list[str]:

@@ -59,36 +59,45 @@ requests; ``M`` = most pages of one request; ``T`` = timestamps, at most
 A request costs ``O(M)`` per tree verb (six of them) plus ``O(M)`` per node
 it evicts; nothing scans the pool, so the rate does not fall as ``V``
 grows. Every verb reads the state once, through
-:func:`prefixjax.paging.barrier`, and writes each array with one masked
+:func:`prefixjax._masked.barrier`, and writes each array with one masked
 scatter, so XLA:CPU updates the arrays in place. The replay of one capacity
-is one jitted ``lax.scan`` over requests; ``_replay_one`` is pure and
-``jax.vmap``-s over capacities, but a vmapped eviction ``while_loop`` selects
-over the whole state on every iteration, so :func:`replay_sglang` runs the
-capacities one after another through one compiled program instead.
+is one jitted ``lax.scan`` over requests; :data:`ENGINE`'s ``run`` is pure
+and ``jax.vmap``-s over capacities, but a vmapped eviction ``while_loop``
+selects over the whole state on every iteration, so the engine declares
+``PER_CAPACITY`` batching: the capacities run one after another through one
+compiled program.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import time
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from prefixjax import bitmap
-from prefixjax.paging import barrier, gather, scatter
-from prefixjax.replay import ReplayPoint
-from prefixjax.workloads import Trace
+from prefixjax._masked import NONE, barrier, gather, scatter
+from prefixjax.cache import bitmap
+from prefixjax.replay import frame
+from prefixjax.replay.frame import (
+  Batching,
+  Prepared,
+  ReplayEngine,
+  ReplayResult,
+)
+from prefixjax.workloads import PrefixNumbering, Trace
 
-__all__ = ["SGLANG_POLICY", "replay_sglang"]
+__all__ = [
+  "ENGINE",
+  "SGLANG_POLICY",
+  "hits_and_free",
+  "plan_pages",
+  "replay_sglang",
+]
 
 SGLANG_POLICY = "lru_leaf"
 """Policy name of the points :func:`replay_sglang` returns."""
-
-_NONE = -1
 
 
 def _cdiv(a, b):
@@ -96,7 +105,7 @@ def _cdiv(a, b):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class PagePlan:
   """A trace as page paths on the host.
 
   Attributes:
@@ -125,7 +134,7 @@ class _Plan:
     return int(self.pages.shape[1])
 
 
-def _plan(trace: Trace, block_size: int) -> _Plan:
+def plan_pages(trace: Trace, block_size: int) -> PagePlan:
   """Numbers every page of every request's KV by its whole prefix."""
   prompt_lens = np.asarray(trace.input_lengths, np.int64)
   output_lens = np.maximum(np.asarray(trace.output_lengths, np.int64), 1)
@@ -137,9 +146,8 @@ def _plan(trace: Trace, block_size: int) -> _Plan:
       f"trace too large: {len(trace)} requests x {max_pages} pages overflow "
       "int32 page ids"
     )
-  pages = np.full((len(trace), max_pages), _NONE, np.int32)
-  ids: dict = {}
-  parent = [0]
+  pages = np.full((len(trace), max_pages), NONE, np.int32)
+  numbering = PrefixNumbering()
   depth = [0]
   use_tokens = trace.has_token_ids
   for r in range(len(trace)):
@@ -154,22 +162,22 @@ def _plan(trace: Trace, block_size: int) -> _Plan:
       hashes = trace.hash_ids[r]
     node = 0
     for j in range(n):
+      seen = len(numbering)
       if j < known:
         if use_tokens:
           key = seq[j * block_size : (j + 1) * block_size].tobytes()
         else:
           key = int(hashes[j])
-        new = ids.setdefault((node, key), len(parent))
+        new = numbering.child(node, key)
       else:  # a page filled by tokens the trace does not know: fresh
-        new = len(parent)
-      if new == len(parent):
-        parent.append(node)
+        new = numbering.fresh(node)
+      if new == seen:
         depth.append(j)
       pages[r, j] = node = new
-  return _Plan(
+  return PagePlan(
     pages=pages,
     depth=np.asarray(depth, np.int32),
-    parent=np.asarray(parent, np.int32),
+    parent=np.asarray(numbering.parent, np.int32),
     prompt_lens=prompt_lens.astype(np.int32),
     output_lens=output_lens.astype(np.int32),
   )
@@ -198,7 +206,7 @@ def _plan(trace: Trace, block_size: int) -> _Plan:
 # Every verb reads what it needs from the state, passes all of it through one
 # ``barrier`` and writes each array with one masked scatter derived from the
 # barrier's outputs, so XLA:CPU updates the arrays in place (see
-# ``prefixjax.paging.barrier``) and no verb costs O(V).
+# ``prefixjax._masked.barrier``) and no verb costs O(V).
 
 _FIELDS = 5
 _STATE, _TIME, _LENGTH, _REP, _KIDS = range(_FIELDS)
@@ -208,14 +216,14 @@ _TICKS_PER_REQUEST = 16  # the six tree verbs of a request tick <= 15 times
 _ADMIT, _CKPT_INSERT, _CKPT_MATCH, _REFRESH = range(4)
 
 
-def _one(x, i, fill=_NONE):
+def _one(x, i, fill=NONE):
   return gather(x, jnp.asarray(i)[None], fill)[0]
 
 
 def _fields(info, page, fields):
   """``[len(fields)]`` fields of one page (0s for page -1)."""
   idx = page * _FIELDS + jnp.asarray(fields, jnp.int32)
-  return gather(info, jnp.where(page >= 0, idx, _NONE), 0)
+  return gather(info, jnp.where(page >= 0, idx, NONE), 0)
 
 
 def _init(num_pages: int, num_keys: int, capacity):
@@ -225,7 +233,7 @@ def _init(num_pages: int, num_keys: int, capacity):
   return {
     "info": jnp.asarray(info.reshape(-1)),
     "bm": jnp.zeros((bitmap.layout(num_keys)[1],), jnp.uint32),
-    "owner": jnp.full((num_keys,), _NONE, jnp.int32),
+    "owner": jnp.full((num_keys,), NONE, jnp.int32),
     "clock": jnp.int32(0),
     "free": capacity.astype(jnp.int32),
   }
@@ -244,10 +252,10 @@ def _tree_op(s, c, path, request, n, do, insert):
   tick = s["clock"] + 1
 
   def reads():
-    state = gather(s["info"], path * _FIELDS + _STATE, _NONE)  # -1 pads
+    state = gather(s["info"], path * _FIELDS + _STATE, NONE)  # -1 pads
     hit = jnp.argmin(jnp.append((state >= 0) & (pos < n), False).astype(i32))
     hit = hit.astype(i32)
-    first = jnp.max(jnp.where((state == 1) & (pos < hit), pos, _NONE))
+    first = jnp.max(jnp.where((state == 1) & (pos < hit), pos, NONE))
     node = jnp.where(first >= 0, _one(path, first), 0)  # root if no hit
     time_, length, rep, kids = _fields(
       s["info"], node, [_TIME, _LENGTH, _REP, _KIDS]
@@ -331,8 +339,8 @@ def _tree_op(s, c, path, request, n, do, insert):
 def _lock_node(s, path, lock):
   """Start page of the deepest locked node (0, the root, if none)."""
   pos = jnp.arange(path.shape[0], dtype=jnp.int32)
-  state = gather(s["info"], path * _FIELDS + _STATE, _NONE)
-  first = jnp.max(jnp.where((state == 1) & (pos < lock), pos, _NONE))
+  state = gather(s["info"], path * _FIELDS + _STATE, NONE)
+  first = jnp.max(jnp.where((state == 1) & (pos < lock), pos, NONE))
   return jnp.where(first >= 0, _one(path, first), 0)
 
 
@@ -370,8 +378,8 @@ def _evict_one(s, c, locked, anchor):
     length, rep = _fields(s["info"], victim, [_LENGTH, _REP])
     top = _one(c["depth"], victim, 0)
     rep_path = gather(table, rep * width + pos)
-    above = gather(s["info"], rep_path * _FIELDS + _STATE, _NONE)
-    first = jnp.max(jnp.where((above == 1) & (pos < top), pos, _NONE))
+    above = gather(s["info"], rep_path * _FIELDS + _STATE, NONE)
+    first = jnp.max(jnp.where((above == 1) & (pos < top), pos, NONE))
     parent = jnp.where(first >= 0, _one(rep_path, first), 0)
     p_time, p_kids = _fields(s["info"], parent, [_TIME, _KIDS])
     keys = jnp.stack([key, p_time])
@@ -391,7 +399,7 @@ def _evict_one(s, c, locked, anchor):
     jnp.concatenate(
       [pages * _FIELDS + _STATE, (parent * _FIELDS + _KIDS)[None]]
     ),
-    jnp.concatenate([jnp.full((width,), _NONE, i32), (r["p_kids"] - 1)[None]]),
+    jnp.concatenate([jnp.full((width,), NONE, i32), (r["p_kids"] - 1)[None]]),
     jnp.concatenate([ok & (pos < r["length"]), ok[None]]),
   )
   s["bm"] = bitmap.update(
@@ -408,7 +416,7 @@ def _evict_one(s, c, locked, anchor):
   return s, freed, ok
 
 
-def _replay_one(consts, xs, capacity, *, block_size: int):
+def replay_one(consts, xs, capacity, *, block_size: int):
   """Hit tokens, free pages after, broken invariant: ``[R]`` each."""
   table, depth = consts
   num_requests = xs[0].shape[0]
@@ -513,22 +521,53 @@ def _replay_one(consts, xs, capacity, *, block_size: int):
   return out
 
 
-@functools.partial(jax.jit, static_argnames=("block_size",))
-def _run(consts, xs, capacity, *, block_size):
-  return _replay_one(consts, xs, capacity, block_size=block_size)
+def _run(arrays, capacity, *, block_size):
+  consts, xs = arrays
+  return replay_one(consts, xs, capacity, block_size=block_size)
 
 
-@functools.lru_cache(maxsize=8)
-def _compiled(num_requests, max_pages, num_pages, block_size):
-  """The compiled replay for these shapes (kept for repeated calls)."""
-  spec = jax.ShapeDtypeStruct
-  consts = (
-    spec((num_requests * max_pages,), jnp.int32),
-    spec((num_pages,), jnp.int32),
+def _prepare(
+  trace: Trace, capacities, *, block_size: int, warmup_fraction: float = 0.5
+) -> Prepared:
+  plan = plan_pages(trace, block_size)
+  consts = (jnp.asarray(plan.pages.reshape(-1)), jnp.asarray(plan.depth))
+  xs = (
+    jnp.arange(len(trace), dtype=jnp.int32),
+    jnp.asarray(plan.prompt_lens),
+    jnp.asarray(plan.output_lens),
   )
-  xs = tuple(spec((num_requests,), jnp.int32) for _ in range(3))
-  capacity = spec((), jnp.int32)
-  return _run.lower(consts, xs, capacity, block_size=block_size).compile()
+  return Prepared(
+    arrays=(consts, xs),
+    capacities=np.asarray(capacities, np.int32),
+    static=dict(block_size=block_size),
+    context=(trace, warmup_fraction),
+  )
+
+
+def _checked_outputs(capacities, outputs):
+  """``[C, R]`` int64 hit tokens and free pages, after checking the
+  invariant flags."""
+  hits, free, bad = outputs
+  if bad.any():
+    c, r = (int(i[0]) for i in np.nonzero(bad))
+    raise RuntimeError(
+      f"internal error: request {r} broke a pool invariant at capacity "
+      f"{capacities[c]}"
+    )
+  return np.asarray(hits, np.int64), np.asarray(free, np.int64)
+
+
+def _points(prepared: Prepared, capacities, outputs):
+  hits, _ = _checked_outputs(capacities, outputs)
+  trace, warmup_fraction = prepared.context
+  return frame.points_of_requests(
+    SGLANG_POLICY,
+    capacities,
+    prepared.static["block_size"],
+    hits,
+    trace.input_lengths,
+    warmup_fraction,
+  )
 
 
 def _check(trace: Trace, block_size, capacities, warmup_fraction):
@@ -540,8 +579,7 @@ def _check(trace: Trace, block_size, capacities, warmup_fraction):
     raise TypeError(f"block_size={block_size!r} must be an int")
   if block_size < 1:
     raise ValueError(f"block_size={block_size} must be >= 1")
-  if not 0.0 <= warmup_fraction <= 1.0:
-    raise ValueError(f"warmup_fraction={warmup_fraction} must be in [0, 1]")
+  frame.check_warmup_fraction(warmup_fraction)
   if len(trace) == 0:
     raise ValueError(f"trace {trace.name!r} has no requests")
   if not trace.has_token_ids:
@@ -582,38 +620,13 @@ def _check(trace: Trace, block_size, capacities, warmup_fraction):
   return [int(c) for c in capacities]
 
 
-def _replay_arrays(trace, block_size, capacities, timings=None):
-  """``[C, R]`` hit tokens and free pages after each request.
-
-  Arguments are those :func:`_check` accepted.
-  """
-  plan = _plan(trace, block_size)
-  consts = (jnp.asarray(plan.pages.reshape(-1)), jnp.asarray(plan.depth))
-  xs = (
-    jnp.arange(len(trace), dtype=jnp.int32),
-    jnp.asarray(plan.prompt_lens),
-    jnp.asarray(plan.output_lens),
-  )
-  start = time.perf_counter()
-  compiled = _compiled(len(trace), plan.max_pages, plan.num_pages, block_size)
-  compile_s = time.perf_counter() - start
-  start = time.perf_counter()
-  outs = [compiled(consts, xs, jnp.int32(c)) for c in capacities]
-  hits, free, bad = (
-    np.stack(x) for x in zip(*jax.block_until_ready(outs), strict=True)
-  )
-  run_s = time.perf_counter() - start
-  if timings is not None:
-    timings["compile_s"] = timings.get("compile_s", 0.0) + compile_s
-    timings["run_s"] = timings.get("run_s", 0.0) + run_s
-  bad = np.asarray(bad)
-  if bad.any():
-    c, r = (int(i[0]) for i in np.nonzero(bad))
-    raise RuntimeError(
-      f"internal error: request {r} broke a pool invariant at capacity "
-      f"{capacities[c]}"
-    )
-  return np.asarray(hits, np.int64), np.asarray(free, np.int64)
+def hits_and_free(trace: Trace, block_size: int, capacities):
+  """``[C, R]`` hit tokens and free pages after each request, for
+  arguments :func:`replay_sglang` accepts."""
+  capacities = _check(trace, block_size, capacities, 0.0)
+  prepared = ENGINE.prepare(trace, capacities, block_size=int(block_size))
+  outputs, _ = frame.compile_and_run(ENGINE, prepared)
+  return _checked_outputs(capacities, outputs)
 
 
 def replay_sglang(
@@ -622,8 +635,7 @@ def replay_sglang(
   block_size: int,
   capacities: Sequence[int],
   warmup_fraction: float = 0.5,
-  timings: dict | None = None,
-) -> list[ReplayPoint]:
+) -> ReplayResult:
   """Replays a trace with SGLang ``RadixCache`` semantics.
 
   Requests run one at a time, in order, through a pool of ``capacity``
@@ -641,11 +653,11 @@ def replay_sglang(
     capacities: usable pages in the pool; each must hold the largest
       request (``ceil((P + max(O, 1) - 1) / block_size)`` pages).
     warmup_fraction: share of requests before hits are counted.
-    timings: if given, ``compile_s`` and ``run_s`` are added to it.
 
   Returns:
-    One :class:`prefixjax.replay.ReplayPoint` per capacity, in order, with
-    policy ``"lru_leaf"`` (never underfilled).
+    A :class:`~prefixjax.replay.frame.ReplayResult`: one point per
+    capacity, in order, with policy ``"lru_leaf"`` (never underfilled),
+    and the timing.
 
   Raises:
     ValueError: no page identities, a hash block size other than
@@ -664,20 +676,22 @@ def replay_sglang(
     [[0, 8], [0, 8]]
   """
   capacities = _check(trace, block_size, capacities, warmup_fraction)
-  hits, _ = _replay_arrays(trace, int(block_size), capacities, timings)
-  warmup = int(np.floor(len(trace) * warmup_fraction))
-  prompt_lens = np.asarray(trace.input_lengths, np.int64)
-  total_tokens = int(prompt_lens[warmup:].sum())
-  return [
-    ReplayPoint(
-      policy=SGLANG_POLICY,
-      capacity_blocks=capacity,
-      block_size=int(block_size),
-      hit_tokens=int(hits[c, warmup:].sum()),
-      total_tokens=total_tokens,
-      measured_requests=len(trace) - warmup,
-      underfilled=False,
-      per_request_hit_tokens=hits[c],
-    )
-    for c, capacity in enumerate(capacities)
-  ]
+  prepared = ENGINE.prepare(
+    trace,
+    capacities,
+    block_size=int(block_size),
+    warmup_fraction=warmup_fraction,
+  )
+  return frame.execute(ENGINE, prepared, capacities)
+
+
+ENGINE = ReplayEngine(
+  name="sglang",
+  semantics="sglang",
+  policies=(SGLANG_POLICY,),
+  batching=Batching.PER_CAPACITY,
+  prepare=_prepare,
+  run=_run,
+  points=_points,
+)
+"""SGLang 0.5.23 ``RadixCache`` semantics, one capacity per run."""

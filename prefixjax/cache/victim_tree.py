@@ -4,15 +4,15 @@ Used by the prefix cache for scoring policies whose block scores never
 change while a block is free (``EvictionPolicy.static_score``: ``fifo``,
 ``belady``). Leaves are block ids ``0 .. N - 1``;
 each internal node holds the id of the best *eligible* block below it (or
-:data:`prefixjax.paging.NO_BLOCK`), so the victim is the root, read in O(1),
+:data:`prefixjax._masked.NO_BLOCK`), so the victim is the root, read in O(1),
 and a block whose eligibility changes costs one refresh of its path: ``L =
 ceil(log32 N)`` levels (3 for 32,768 blocks, 4 for a million), each a
 32-lane gather and reduction. No step scans the pool.
 
-"Best" is the order of :func:`prefixjax.policies.select_victim`: the lowest
-score, then the largest depth, then the lowest block id. The caller supplies
-``rank(ids) -> (valid, score, depth)`` for a ``[32]`` vector of ids (which
-may hold ``NO_BLOCK`` or ids ``>= N``; those must come back invalid).
+"Best" is the order of :func:`prefixjax.cache.policies.select_victim`: the
+lowest score, then the largest depth, then the lowest block id. The caller
+supplies ``rank(ids) -> (valid, score, depth)`` for a ``[32]`` vector of ids
+(which may hold ``NO_BLOCK`` or ids ``>= N``; those must come back invalid).
 
 The tree is a tuple of int32 arrays, bottom level first: level ``l`` has
 ``ceil(N / 32**(l + 1))`` entries, padded with ``NO_BLOCK`` to a multiple
@@ -26,7 +26,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from prefixjax.paging import NO_BLOCK, scatter
+from prefixjax._masked import NO_BLOCK, scatter
 
 __all__ = ["WIDTH", "best", "build", "init", "refresh", "victim"]
 

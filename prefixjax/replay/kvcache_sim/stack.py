@@ -3,9 +3,9 @@
 A third engine for :func:`prefixjax.replay.replay` (same
 :class:`~prefixjax.replay.ReplayPlan` in, same
 :class:`~prefixjax.replay.ReplayPoint` list out, hits equal request for
-request). :mod:`prefixjax.replay_fast` keeps the trie (cached children,
-leaf keys, chain walks); under these two policies the hits need much less,
-because both order nodes by a key that never puts a node after its own
+request). :mod:`prefixjax.replay.kvcache_sim.chunked` keeps the trie (cached
+children, leaf keys, chain walks); under these two policies the hits need much
+less, because both order nodes by a key that never puts a node after its own
 parent:
 
 ``lru_leaf`` (kvcache-simulator's ``lru``): the Mattson stack distance
@@ -75,30 +75,34 @@ events, ``K`` keys (kept requests).
 from __future__ import annotations
 
 import functools
-import time
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from prefixjax import replay_fast
-from prefixjax.paging import barrier, gather, scatter, scatter_add
-from prefixjax.replay import (
-  ReplayPlan,
+from prefixjax._masked import NONE, barrier, gather, scatter, scatter_add
+from prefixjax.replay import frame
+from prefixjax.replay.frame import (
+  Batching,
+  Prepared,
+  ReplayEngine,
   ReplayPoint,
-  _capacities,
-  _point_kept,
-  _timed_run,
 )
-from prefixjax.replay_fast import chunk_points, chunks, column
+from prefixjax.replay.kvcache_sim.chunked import (
+  check_width,
+  chunk_points,
+  chunks,
+  column,
+)
+from prefixjax.replay.plan import ReplayPlan, clip_capacities, points_of_kept
 
-__all__ = ["KEY_POLICIES", "lru_hit_capacities", "replay_keys"]
+__all__ = [
+  "BELADY_ENGINE",
+  "LRU_ENGINE",
+  "lru_hit_capacities",
+  "lru_stack_minimum",
+]
 
-KEY_POLICIES = ("lru_leaf", "belady_leaf")
-"""Policies this engine serves."""
-
-_NONE = -1
 _UNSEEN = np.iinfo(np.int32).max  # the rank of a node never seen before
 _WIDTH = 32  # blocks per scan step (16 to 64 measure alike on Mooncake)
 _KEYS_PER_STEP = 4  # belady_leaf: distinct next uses per scan step
@@ -117,7 +121,7 @@ def _rank_step(s, x, *, num_events):
   levels = jnp.arange(max(num_events.bit_length(), 1), dtype=i32)[None, :]
 
   def reads():
-    last = gather(s["last"], nodes, _NONE)  # [W] last position, -1 unseen
+    last = gather(s["last"], nodes, NONE)  # [W] last position, -1 unseen
     # Emptied positions <= last: the Fenwick prefix over 1-based last + 1
     # sums the nodes (i >> k) << k for every set bit k of i.
     i = jnp.where(last >= 0, last + 1, 0)[:, None]
@@ -160,7 +164,7 @@ def _ranks(xs, *, num_nodes, num_events):
   i32 = jnp.int32
   s = {
     "tree": jnp.zeros((num_events + 1,), i32),
-    "last": jnp.full((num_nodes,), _NONE, i32),
+    "last": jnp.full((num_nodes,), NONE, i32),
     "ancestors": i32(0),
     "emptied": i32(0),
     "run_max": i32(-1),
@@ -340,26 +344,11 @@ def _belady_scan(xs, capacities, *, num_keys):
 # Host side.
 
 
-def lru_hit_capacities(
-  plan: ReplayPlan, *, width: int = _WIDTH, timings: dict | None = None
-) -> np.ndarray:
-  """Per block event, the smallest ``lru_leaf`` capacity at which it hits.
-
-  A block is in its request's hit run at capacity ``C`` iff ``C`` is at
-  least this (``np.iinfo(np.int32).max`` for a block never seen before),
-  for every ``C`` of at least the longest request's blocks (see the module
-  docstring): one pass gives the whole capacity curve.
-
-  Args:
-    plan: from :func:`prefixjax.replay.prepare_replay`.
-    width: blocks per scan step.
-    timings: if given, ``compile_s`` and ``run_s`` are added to it.
-
-  Returns:
-    ``[E]`` int64.
-  """
-  if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-    raise ValueError(f"width={width!r} must be an int >= 1")
+def _lru_prepare(
+  plan: ReplayPlan, capacities, *, policy="lru_leaf", width=_WIDTH
+) -> Prepared:
+  _check_policy(policy, "lru_leaf")
+  check_width(width)
   rows, first, request, _ = chunks(plan, width)
   starts = np.flatnonzero(plan.first)
   lengths = np.diff(np.r_[starts, plan.num_events])
@@ -373,12 +362,55 @@ def lru_hit_capacities(
     jnp.asarray(first),
     jnp.asarray(starts[request].astype(np.int32)),
   )
-  static = dict(num_nodes=plan.unique_blocks + 1, num_events=plan.num_events)
-  start = time.perf_counter()
-  compiled = _ranks.lower(xs, **static).compile()
-  run_max = _timed_run(compiled, (xs,), time.perf_counter() - start, timings)
+  return Prepared(
+    arrays=xs,
+    capacities=np.asarray(capacities, np.int32),
+    static=dict(num_nodes=plan.unique_blocks + 1, num_events=plan.num_events),
+    context=(plan, rows),
+  )
+
+
+def _hit_capacities(prepared: Prepared, run_max) -> np.ndarray:
+  rows = prepared.context[1]
   run_max = np.asarray(run_max)[rows >= 0].astype(np.int64)
   return np.where(run_max == _UNSEEN, _UNSEEN, run_max + 1)
+
+
+def _lru_engine_points(prepared: Prepared, capacities, run_max):
+  plan = prepared.context[0]
+  return _lru_points(plan, capacities, _hit_capacities(prepared, run_max))
+
+
+def _check_policy(policy: str, served: str) -> None:
+  if policy != served:
+    raise ValueError(f"policy={policy!r}: this engine serves {served!r} only")
+
+
+def lru_stack_minimum(plan: ReplayPlan) -> int:
+  """The smallest capacity :data:`LRU_ENGINE` serves: the longest
+  request's blocks (see the module docstring)."""
+  starts = np.flatnonzero(plan.first)
+  return int(np.diff(np.r_[starts, plan.num_events]).max())
+
+
+def lru_hit_capacities(plan: ReplayPlan, *, width: int = _WIDTH) -> np.ndarray:
+  """Per block event, the smallest ``lru_leaf`` capacity at which it hits.
+
+  A block is in its request's hit run at capacity ``C`` iff ``C`` is at
+  least this (``np.iinfo(np.int32).max`` for a block never seen before),
+  for every ``C`` of at least the longest request's blocks (see the module
+  docstring): one pass gives the whole capacity curve.
+
+  Args:
+    plan: from :func:`prefixjax.replay.prepare_replay`.
+    width: blocks per scan step.
+
+  Returns:
+    ``[E]`` int64.
+  """
+  prepared = _lru_prepare(plan, [], width=width)
+  run_max, _ = frame.compile_and_run(LRU_ENGINE, prepared)
+  return _hit_capacities(prepared, run_max)
 
 
 def _lru_points(plan, capacities, hit_capacity) -> list[ReplayPoint]:
@@ -400,7 +432,7 @@ def _lru_points(plan, capacities, hit_capacity) -> list[ReplayPoint]:
   fills_up_to = int(fills_up_to.max()) if fills_up_to.size else -1
   points = [None] * len(caps)
   for j, i in enumerate(order):
-    points[i] = _point_kept(
+    points[i] = points_of_kept(
       plan, "lru_leaf", int(caps[i]), per_kept[:, j], caps[i] <= fills_up_to
     )
   return points
@@ -427,7 +459,7 @@ def _belady_steps(plan: ReplayPlan, keys_per_step: int):
   )
   step = first_step[req] + rank // keys_per_step
   num_steps = int(per_request.sum())
-  keys = np.full((num_steps, keys_per_step), _NONE, np.int32)
+  keys = np.full((num_steps, keys_per_step), NONE, np.int32)
   mults = np.zeros((num_steps, keys_per_step), np.int32)
   keys[step, rank % keys_per_step] = key
   mults[step, rank % keys_per_step] = mult
@@ -447,18 +479,32 @@ def _nodes_seen(plan: ReplayPlan) -> np.ndarray:
   )
 
 
-def _belady_points(plan, capacities, clipped, keys_per_step, timings):
+def _belady_prepare(
+  plan: ReplayPlan,
+  capacities,
+  *,
+  policy="belady_leaf",
+  keys_per_step=_KEYS_PER_STEP,
+) -> Prepared:
+  _check_policy(policy, "belady_leaf")
+  if (
+    isinstance(keys_per_step, bool)
+    or not isinstance(keys_per_step, int)
+    or keys_per_step < 1
+  ):
+    raise ValueError(f"keys_per_step={keys_per_step!r} must be an int >= 1")
   request, *rest = _belady_steps(plan, keys_per_step)
-  xs = tuple(map(jnp.asarray, (request, *rest)))
-  start = time.perf_counter()
-  probe = jnp.zeros((len(capacities),), jnp.int32)
-  compiled = _belady_scan.lower(xs, probe, num_keys=plan.num_kept).compile()
-  hits, lost = _timed_run(
-    compiled,
-    (xs, jnp.asarray(clipped, jnp.int32)),
-    time.perf_counter() - start,
-    timings,
+  return Prepared(
+    arrays=tuple(map(jnp.asarray, (request, *rest))),
+    capacities=clip_capacities(plan, capacities),
+    static=dict(num_keys=plan.num_kept),
+    context=(plan, request),
   )
+
+
+def _belady_engine_points(prepared: Prepared, capacities, outputs):
+  plan, request = prepared.context
+  hits, lost = outputs
   if np.any(lost):
     bad = [capacities[i] for i in np.flatnonzero(np.asarray(lost))]
     raise RuntimeError(
@@ -469,77 +515,32 @@ def _belady_points(plan, capacities, clipped, keys_per_step, timings):
   # warm-up iff the warm-up requests saw at least `capacity` nodes.
   warm = plan.warmup_requests
   seen = int(_nodes_seen(plan)[warm - 1]) if warm > 0 else 0
+  clipped = prepared.capacities
   filled = (clipped > 0) & (clipped <= seen)
   return chunk_points(
     plan, "belady_leaf", capacities, request, np.asarray(hits).T, filled
   )
 
 
-def replay_keys(
-  plan: ReplayPlan,
-  *,
-  policy: str,
-  capacities: Sequence[int],
-  timings: dict | None = None,
-  width: int = _WIDTH,
-  keys_per_step: int = _KEYS_PER_STEP,
-) -> list[ReplayPoint]:
-  """Like :func:`prefixjax.replay.replay`, from keys and counts.
+LRU_ENGINE = ReplayEngine(
+  name="kvcache_sim.stack",
+  semantics="kvcache-sim",
+  policies=("lru_leaf",),
+  batching=Batching.ONE_PASS,
+  prepare=_lru_prepare,
+  run=_ranks,
+  points=_lru_engine_points,
+)
+"""``lru_leaf`` as stack distances: one pass serves every capacity of at
+least :func:`lru_stack_minimum` blocks."""
 
-  ``lru_leaf`` capacities below the longest request's blocks go to
-  :func:`prefixjax.replay_fast.replay_fast` (see the module docstring).
-
-  Args:
-    plan: from :func:`prefixjax.replay.prepare_replay`.
-    policy: one of :data:`KEY_POLICIES`.
-    capacities: cache sizes in blocks (>= 0).
-    timings: if given, ``compile_s`` and ``run_s`` are added to it.
-    width: ``lru_leaf``: blocks per scan step (a longer request takes
-      several steps).
-    keys_per_step: ``belady_leaf``: distinct next-use requests per scan
-      step (a request with more takes several steps).
-
-  Returns:
-    One :class:`~prefixjax.replay.ReplayPoint` per capacity, in order,
-    equal to ``replay``'s.
-
-  Example:
-    >>> from prefixjax import replay as rp
-    >>> from prefixjax.replay_keys import replay_keys
-    >>> plan = rp.prepare_replay([[1, 2], [1, 2, 3], [1, 4]], [20, 30, 17],
-    ...                          block_size=10, warmup_fraction=0.0)
-    >>> [p.per_request_hit_tokens.tolist() for p in replay_keys(
-    ...     plan, policy="lru_leaf", capacities=[3, 8])]
-    [[0, 20, 10], [0, 20, 10]]
-  """
-  if policy not in KEY_POLICIES:
-    raise ValueError(f"policy={policy!r} is not one of {KEY_POLICIES}")
-  capacities, clipped = _capacities(plan, capacities)
-  for name, value in (("width", width), ("keys_per_step", keys_per_step)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise ValueError(f"{name}={value!r} must be an int >= 1")
-  if policy == "belady_leaf":
-    return _belady_points(plan, capacities, clipped, keys_per_step, timings)
-  starts = np.flatnonzero(plan.first)
-  longest = int(np.diff(np.r_[starts, plan.num_events]).max())
-  stack = [i for i, c in enumerate(capacities) if c >= longest]
-  rest = [i for i, c in enumerate(capacities) if c < longest]
-  points: list = [None] * len(capacities)
-  if stack:
-    hit_capacity = lru_hit_capacities(plan, width=width, timings=timings)
-    for i, point in zip(
-      stack,
-      _lru_points(plan, [capacities[i] for i in stack], hit_capacity),
-      strict=True,
-    ):
-      points[i] = point
-  if rest:
-    chained = replay_fast.replay_fast(
-      plan,
-      policy=policy,
-      capacities=[capacities[i] for i in rest],
-      timings=timings,
-    )
-    for i, point in zip(rest, chained, strict=True):
-      points[i] = point
-  return points
+BELADY_ENGINE = ReplayEngine(
+  name="kvcache_sim.keys",
+  semantics="kvcache-sim",
+  policies=("belady_leaf",),
+  batching=Batching.COLUMNS,
+  prepare=_belady_prepare,
+  run=_belady_scan,
+  points=_belady_engine_points,
+)
+"""``belady_leaf`` as counts per next-use key, every capacity a column."""

@@ -1,6 +1,6 @@
 """vLLM-semantics replay, one request at a time, in a few wide steps each.
 
-The engine behind :func:`prefixjax.serving_replay.replay_vllm`. The general
+The engine behind :func:`prefixjax.replay.vllm.replay_vllm`. The general
 prefix-cache verbs (``serving_replay._general_hits``, kept as its reference)
 walk the free queue and the index block by block; with one request at a
 time the state has a simpler shape, which this engine exploits. Its hits
@@ -49,7 +49,7 @@ Per request: one lookup walk (on the Mooncake trace 0.04 to 0.4
 iterations on average), one pop window (rarely two) and six scatters, each
 ``[M]`` or ``[W]`` wide; nothing depends on the pool size. Every read that
 decides a scatter comes out of a while loop (the walk, the pop windows or
-:func:`prefixjax.paging.barrier`, which XLA never fuses into their
+:func:`prefixjax._masked.barrier`, which XLA never fuses into their
 consumers), so XLA:CPU updates every array in place. All capacities share
 one compiled program: arrays are sized for the largest, the capacity is a
 run-time scalar.
@@ -62,18 +62,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from prefixjax.paging import barrier, gather, scatter
-from prefixjax.workloads import Trace
+from prefixjax._masked import NONE, barrier, gather, scatter
+from prefixjax.replay import frame
+from prefixjax.replay.frame import Batching, Prepared, ReplayEngine
+from prefixjax.workloads import PrefixNumbering, Trace
 
-__all__ = ["replay_hits"]
+__all__ = ["ENGINE", "POLICY", "replay_hits"]
 
-_NONE = -1
+POLICY = "lru"
+"""vLLM's free-queue order (:func:`prefixjax.cache.policies.lru`)."""
+
 _WIDTH = 128  # most lanes of one pop window
 
 
@@ -104,7 +107,7 @@ class _Plan:
 def _token_keys(trace: Trace, block_size: int, totals: np.ndarray):
   """Dense keys of the full blocks of every request's tokens with KV
   (prompt, then outputs; unknown outputs are ``-1 - r``)."""
-  ids: dict = {}
+  numbering = PrefixNumbering()
   rows = []
   outputs = trace.output_token_ids
   for r in range(len(trace)):
@@ -115,11 +118,11 @@ def _token_keys(trace: Trace, block_size: int, totals: np.ndarray):
     else:
       out = np.full(out_len, -1 - r, np.int32)
     tokens = np.concatenate([prompt, out])
-    row, parent = [], _NONE
+    row, node = [], 0
     for j in range(int(totals[r]) // block_size):
       block = tokens[j * block_size : (j + 1) * block_size].tobytes()
-      parent = ids.setdefault((parent, block), len(ids))
-      row.append(parent)
+      node = numbering.child(node, block)
+      row.append(node - 1)
     rows.append(np.asarray(row, np.int64))
   return rows
 
@@ -135,7 +138,7 @@ def _hash_keys(trace: Trace, block_size: int, totals: np.ndarray):
   ends = np.cumsum(full)
   rows = []
   for r in range(len(trace)):
-    row = np.full(int(totals[r]) // block_size, _NONE, np.int64)
+    row = np.full(int(totals[r]) // block_size, NONE, np.int64)
     row[: full[r]] = dense[ends[r] - full[r] : ends[r]]
     rows.append(row)
   return rows
@@ -156,7 +159,7 @@ def _plan(trace: Trace, block_size: int, totals: np.ndarray) -> _Plan:
       f"trace too large: {len(trace)} requests x {width} blocks overflow "
       "int32 slot ids"
     )
-  keys = np.full((len(trace), width), _NONE, np.int32)
+  keys = np.full((len(trace), width), NONE, np.int32)
   for r, row in enumerate(rows):
     keys[r, : len(row)] = row
   flat = np.concatenate(rows + [np.zeros(0, np.int64)])
@@ -198,10 +201,10 @@ def _init(first_slot, num_slots, num_blocks, num_queue_keys, capacity):
   usable = (blocks >= 1) & (blocks <= capacity)
   return {
     "first_live": first_slot,
-    "slot_block": jnp.full((num_slots,), _NONE, jnp.int32),
-    "block_slot": jnp.full((num_blocks,), _NONE, jnp.int32),
-    "queue_block": jnp.where(queue < capacity, queue + 1, _NONE),
-    "queue_key": jnp.where(usable, blocks - 1, _NONE),
+    "slot_block": jnp.full((num_slots,), NONE, jnp.int32),
+    "block_slot": jnp.full((num_blocks,), NONE, jnp.int32),
+    "queue_block": jnp.where(queue < capacity, queue + 1, NONE),
+    "queue_key": jnp.where(usable, blocks - 1, NONE),
     "head": jnp.int32(0),
     "tail": capacity,
   }
@@ -217,8 +220,8 @@ def _lookup(s, next_slot, keys, limit, offset):
   num_slots = next_slot.shape[0]
 
   def probe(slot):
-    block = gather(s["slot_block"], slot, _NONE)
-    live = (slot < offset) & (gather(s["block_slot"], block, _NONE) == slot)
+    block = gather(s["slot_block"], slot, NONE)
+    live = (slot < offset) & (gather(s["block_slot"], block, NONE) == slot)
     return block, live, limit & (slot < offset) & ~live
 
   slot = gather(s["first_live"], keys, num_slots)
@@ -247,12 +250,12 @@ def _pop(queue_block, head, count, num_lanes: int, width: int):
   def body(carry):
     start, taken, blocks, new_head = carry
     keys = start + lanes
-    block = gather(queue_block, keys, _NONE)
+    block = gather(queue_block, keys, NONE)
     live = block >= 0
     rank = taken + jnp.cumsum(live.astype(jnp.int32)) - 1
     take = live & (rank < count)
     blocks = scatter(blocks, rank, block, take)
-    last = jnp.max(jnp.where(take, keys, _NONE))
+    last = jnp.max(jnp.where(take, keys, NONE))
     new_head = jnp.where(last >= 0, last + 1, new_head)
     taken = taken + jnp.sum(take.astype(jnp.int32))
     return start + width, taken, blocks, new_head
@@ -260,7 +263,7 @@ def _pop(queue_block, head, count, num_lanes: int, width: int):
   _, taken, blocks, new_head = jax.lax.while_loop(
     lambda carry: (carry[1] < count) & (carry[0] < limit),
     body,
-    (head, jnp.int32(0), jnp.full((num_lanes,), _NONE, jnp.int32), head),
+    (head, jnp.int32(0), jnp.full((num_lanes,), NONE, jnp.int32), head),
   )
   return blocks, new_head, taken == count
 
@@ -277,22 +280,22 @@ def _step(next_slot, s, x, *, block_size: int, width: int):
   s = dict(s)
   # Touch: the hit blocks leave the free queue.
   (touched,) = barrier(
-    offset, gather(s["queue_key"], jnp.where(hit, block, _NONE), _NONE)
+    offset, gather(s["queue_key"], jnp.where(hit, block, NONE), NONE)
   )
   s["queue_block"] = scatter(
-    s["queue_block"], touched, jnp.full_like(cols, _NONE), hit
+    s["queue_block"], touched, jnp.full_like(cols, NONE), hit
   )
   popped, head, ok = _pop(
     s["queue_block"], s["head"], num_blocks - hits, keys.shape[0], width
   )
-  table = jnp.where(hit, block, gather(popped, cols - hits, _NONE))
+  table = jnp.where(hit, block, gather(popped, cols - hits, NONE))
   used = cols < num_blocks
   fresh = used & ~hit
   publish = fresh & (cols < num_full) & (keys >= 0)
   slots = offset + cols
   s["slot_block"] = scatter(s["slot_block"], slots, table, publish)
   s["block_slot"] = scatter(
-    s["block_slot"], table, jnp.where(publish, slots, _NONE), fresh
+    s["block_slot"], table, jnp.where(publish, slots, NONE), fresh
   )
   # Release to the tail, the last column first.
   queue_keys = s["tail"] + num_blocks - 1 - cols
@@ -321,18 +324,16 @@ def _run(
   return out
 
 
-def replay_hits(
+def _prepare(
   trace: Trace,
-  block_size: int,
   capacities,
-  timings: dict | None = None,
+  *,
+  block_size: int,
+  warmup_fraction: float = 0.5,
   width: int | None = None,
-) -> list[np.ndarray]:
-  """``[R]`` int64 hit tokens per capacity, for arguments
-  :func:`prefixjax.serving_replay.replay_vllm` has validated."""
-  capacities = [int(c) for c in capacities]
-  if not capacities:
-    return []
+) -> Prepared:
+  """Scan inputs for arguments
+  :func:`prefixjax.replay.vllm.replay_vllm` has validated."""
   totals = trace.kv_tokens
   plan = _plan(trace, block_size, totals)
   largest = max(capacities)
@@ -353,29 +354,71 @@ def replay_hits(
     jnp.asarray(plan.num_full),
     jnp.asarray(plan.offsets),
   )
-  static = dict(
-    block_size=block_size,
-    num_blocks=largest + 1,
-    num_queue_keys=num_queue_keys,
-    width=width,
+  return Prepared(
+    arrays=(consts, xs),
+    capacities=np.asarray(capacities, np.int32),
+    static=dict(
+      block_size=block_size,
+      num_blocks=largest + 1,
+      num_queue_keys=num_queue_keys,
+      width=width,
+    ),
+    context=(trace, warmup_fraction),
   )
-  start = time.perf_counter()
-  compiled = _run.lower(consts, xs, jnp.int32(largest), **static).compile()
-  compile_s = time.perf_counter() - start
-  start = time.perf_counter()
-  outs = [compiled(consts, xs, jnp.int32(c)) for c in capacities]
-  outs = jax.block_until_ready(outs)
-  run_s = time.perf_counter() - start
-  if timings is not None:
-    timings["compile_s"] = timings.get("compile_s", 0.0) + compile_s
-    timings["run_s"] = timings.get("run_s", 0.0) + run_s
-  result = []
-  for capacity, (hits, bad) in zip(capacities, outs, strict=True):
-    bad = np.asarray(bad)
-    if bad.any():
+
+
+def _engine_run(arrays, capacity, **static):
+  consts, xs = arrays
+  return _run(consts, xs, capacity, **static)
+
+
+def _hits(capacities, outputs, block_size) -> np.ndarray:
+  """``[C, R]`` int64 hit tokens, after checking the invariant flags."""
+  hits, bad = outputs
+  for capacity, flags in zip(capacities, bad, strict=True):
+    if flags.any():
       raise RuntimeError(
-        f"internal error: request {int(np.flatnonzero(bad)[0])} found the "
+        f"internal error: request {int(np.flatnonzero(flags)[0])} found the "
         f"free queue short at capacity {capacity}"
       )
-    result.append(np.asarray(hits, np.int64) * block_size)
-  return result
+  return np.asarray(hits, np.int64) * block_size
+
+
+def _points(prepared: Prepared, capacities, outputs):
+  trace, warmup_fraction = prepared.context
+  block_size = prepared.static["block_size"]
+  return frame.points_of_requests(
+    POLICY,
+    capacities,
+    block_size,
+    _hits(capacities, outputs, block_size),
+    trace.input_lengths,
+    warmup_fraction,
+  )
+
+
+def replay_hits(
+  trace: Trace, block_size: int, capacities, width: int | None = None
+) -> list[np.ndarray]:
+  """``[R]`` int64 hit tokens per capacity, for arguments
+  :func:`prefixjax.replay.vllm.replay_vllm` has validated."""
+  capacities = [int(c) for c in capacities]
+  if not capacities:
+    return []
+  prepared = ENGINE.prepare(
+    trace, capacities, block_size=block_size, width=width
+  )
+  outputs, _ = frame.compile_and_run(ENGINE, prepared)
+  return list(_hits(capacities, outputs, block_size))
+
+
+ENGINE = ReplayEngine(
+  name="vllm",
+  semantics="vllm",
+  policies=(POLICY,),
+  batching=Batching.PER_CAPACITY,
+  prepare=_prepare,
+  run=_engine_run,
+  points=_points,
+)
+"""vLLM v1 ``KVCacheManager`` semantics, one capacity per run."""

@@ -3,7 +3,8 @@
 Representation. jax runs with 32-bit types by default, so a 64-bit block key
 is an array of two uint32 lanes, ``[..., 2]``: lane 0 and lane 1 are two
 independent 32-bit hashes of the same input words (below). Keys are compared
-as pairs; the index (:mod:`prefixjax.index`) uses lane 0 for its home bucket.
+as pairs; the index (:mod:`prefixjax.cache.index`) uses lane 0 for its home
+bucket.
 A trace id given as int64 is split into ``(low 32 bits, high 32 bits)`` by
 :func:`int64_to_lanes` (host side); an int32 id is sign-extended the same
 way, so an id gets the same key whichever width it arrives in.
@@ -139,7 +140,7 @@ def hash_words(words: jax.Array, seed: int) -> jax.Array:
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from prefixjax import hashing
+    >>> from prefixjax.cache import hashing
     >>> hashing.hash_words(jnp.arange(4, dtype=jnp.uint32), 1).shape
     (2,)
   """
@@ -236,7 +237,7 @@ def block_hashes(token_ids, num_tokens, *, block_size: int, extra=None):
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from prefixjax import hashing
+    >>> from prefixjax.cache import hashing
     >>> keys, valid = hashing.block_hashes(
     ...     jnp.arange(10, dtype=jnp.int32), 9, block_size=4, extra=7)
     >>> keys.shape, valid.tolist()
@@ -262,7 +263,7 @@ def int64_to_lanes(ids) -> np.ndarray:
   """Host side: int64 ids ``[...]`` -> ``[..., 2]`` uint32 ``(lo, hi)``.
 
   Example:
-    >>> from prefixjax import hashing
+    >>> from prefixjax.cache import hashing
     >>> hashing.int64_to_lanes([2**32 + 5, -1]).tolist()
     [[5, 1], [4294967295, 4294967295]]
   """
@@ -298,7 +299,7 @@ def chain_block_ids(ids, num_ids=None, *, extra=None):
     ``valid`` ``[B]`` bool.
 
   Example:
-    >>> from prefixjax import hashing
+    >>> from prefixjax.cache import hashing
     >>> lanes = hashing.int64_to_lanes([11, 2**40, 13])
     >>> keys, valid = hashing.chain_block_ids(lanes, 2)
     >>> valid.tolist()
@@ -327,7 +328,7 @@ def with_version(keys: jax.Array, version: jax.Array) -> jax.Array:
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from prefixjax import hashing
+    >>> from prefixjax.cache import hashing
     >>> k = jnp.zeros((3, 2), jnp.uint32)
     >>> hashing.with_version(k, jnp.uint32(1)).shape
     (3, 2)

@@ -1,7 +1,7 @@
 """Trace replay with vLLM v1 semantics through the on-device prefix cache.
 
 Each request, one at a time and in order, runs through
-:mod:`prefixjax.prefix_cache` exactly as vLLM v1's ``KVCacheManager`` with
+:mod:`prefixjax.cache.prefix_cache` exactly as vLLM v1's ``KVCacheManager`` with
 prefix caching on serves a request alone: match its prompt (hits capped at
 ``prompt_len - 1`` tokens, whole blocks), touch the hits and allocate the
 rest (popping the free-queue head and dropping popped blocks' old hashes),
@@ -24,7 +24,7 @@ other block ever carries (it is cached but never hit). This is the oracle's
 (``[2]`` uint32 lanes, before the cache mixes in its version word) are:
 
 * trace id ``v`` (``0 <= v < 2**63``): ``(v & 0xFFFFFFFF, v >> 32)``, the
-  :func:`prefixjax.hashing.int64_to_lanes` split; bit 31 of lane 1 is 0;
+  :func:`prefixjax.cache.hashing.int64_to_lanes` split; bit 31 of lane 1 is 0;
 * fresh key of request ``r``, table column ``j``: ``(r, FRESH_TAG | j)``
   with ``FRESH_TAG = 0x80000000``; bit 31 of lane 1 is 1.
 
@@ -32,7 +32,7 @@ So ids never equal fresh keys, fresh keys are distinct across the whole
 replay, and equal ids are equal keys. A trace is replayed from its token ids
 if it has them and from its hash ids otherwise, so token-hash keys and id
 keys never meet in one cache. The cache's version mix is a 64-bit hash that
-keeps keys differing in one lane apart (see :mod:`prefixjax.hashing`), so
+keeps keys differing in one lane apart (see :mod:`prefixjax.cache.hashing`), so
 ids below ``2**32`` (all of Mooncake's) never collide in the index; other
 distinct keys collide with probability about ``2**-64`` per pair.
 
@@ -40,11 +40,12 @@ The key matrix ``[R, M, 2]`` is built on the host (the ids are given); the
 whole replay is one jitted ``lax.scan`` over requests per capacity either
 way.
 
-Two engines give these hits. :func:`replay_vllm` runs the specialised one
-of :mod:`prefixjax.vllm_replay` (a few ``[M]``-wide steps per request, keys
-numbered exactly on the host, the free queue as an ordered set of release
-counters); the general-verb path described above stays as
-``_general_hits``, the reference the specialised engine is tested against.
+Two paths give these hits. :func:`replay_vllm` runs the specialised engine
+of :mod:`prefixjax.replay.vllm_engine` (a few ``[M]``-wide steps per
+request, keys numbered exactly on the host, the free queue as an ordered set
+of release counters); the general-verb path described above is
+:func:`general_hits`, the reference the specialised engine is tested
+against.
 
 Dimensions: ``R`` requests, ``T`` padded tokens per request, ``K`` block
 size, ``M = T // K`` blocks per request (table columns).
@@ -53,19 +54,19 @@ size, ``M = T // K`` blocks per request (table columns).
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from prefixjax import hashing, paging, vllm_replay
-from prefixjax import prefix_cache as pc
-from prefixjax.replay import ReplayPoint
+from prefixjax.cache import hashing, paging
+from prefixjax.cache import prefix_cache as pc
+from prefixjax.replay import frame, vllm_engine
+from prefixjax.replay.frame import ReplayResult
 from prefixjax.workloads import Trace
 
-__all__ = ["FRESH_TAG", "PUBLISH_MODES", "replay_vllm"]
+__all__ = ["FRESH_TAG", "PUBLISH_MODES", "general_hits", "replay_vllm"]
 
 FRESH_TAG = 0x80000000
 """Bit 31 of lane 1: set in fresh (never-hit) keys, clear in trace-id keys."""
@@ -147,12 +148,12 @@ def _check_hash_ids(trace: Trace, block_size: int) -> None:
 def _serve(state: pc.PrefixCacheState, keys, prompt_len, total, publish):
   """One request alone on sequence slot 0; ``keys`` ``[M, 2]`` uint32."""
   seq = jnp.int32(0)
-  state, alloc = pc._allocate_with_prefix(state, seq, keys, prompt_len)
+  state, alloc = pc.allocate_with_prefix(state, seq, keys, prompt_len)
   if publish == "early":  # as the prompt's blocks fill
-    state, _ = pc._publish(state, seq, keys, prompt_len)
-  state, _ = pc._append(state, seq, total - prompt_len)
-  state, _ = pc._publish(state, seq, keys, total)
-  state, _ = pc._release(state, seq)
+    state, _ = pc.publish(state, seq, keys, prompt_len)
+  state, _ = pc.append(state, seq, total - prompt_len)
+  state, _ = pc.publish(state, seq, keys, total)
+  state, _ = pc.release(state, seq)
   ok = alloc.status == paging.Status.OK
   return state, (jnp.where(ok, alloc.hit_tokens, 0), alloc.status)
 
@@ -187,8 +188,7 @@ def replay_vllm(
   capacities: Sequence[int],
   warmup_fraction: float = 0.5,
   publish: str = "early",
-  timings: dict | None = None,
-) -> list[ReplayPoint]:
+) -> ReplayResult:
   """Replays a trace with vLLM v1 prefix-caching semantics.
 
   Args:
@@ -203,12 +203,12 @@ def replay_vllm(
       prefill, then after decode), ``"late"`` only when the request
       finishes. With one request at a time both give the same hits; the
       switch matters once requests overlap.
-    timings: if given, ``compile_s`` and ``run_s`` are added to it.
 
   Returns:
-    One :class:`prefixjax.replay.ReplayPoint` per capacity, policy ``lru``.
-    The replay runs :mod:`prefixjax.vllm_replay`'s engine, compiled once for
-    all capacities (see the module docstring).
+    A :class:`~prefixjax.replay.frame.ReplayResult`: one point per
+    capacity, policy ``lru``, and the timing. The replay runs
+    :data:`prefixjax.replay.vllm_engine.ENGINE`, compiled once for all
+    capacities (see the module docstring).
 
   Raises:
     ValueError: no token ids and no hash ids, a block size other than a
@@ -217,7 +217,7 @@ def replay_vllm(
 
   Example:
     >>> import numpy as np
-    >>> from prefixjax.serving_replay import replay_vllm
+    >>> from prefixjax.replay.vllm import replay_vllm
     >>> from prefixjax.workloads import Trace
     >>> trace = Trace(
     ...   [0.0, 1.0], [8, 9], [1, 1],
@@ -247,12 +247,12 @@ def replay_vllm(
       f"{trace.hash_block_size} of trace {trace.name!r}: hash ids name "
       "blocks of that size only"
     )
-  if not 0.0 <= warmup_fraction <= 1.0:
-    raise ValueError(f"warmup_fraction={warmup_fraction} must be in [0, 1]")
+  frame.check_warmup_fraction(warmup_fraction)
   if publish not in PUBLISH_MODES:
     raise ValueError(f"publish={publish!r} is not one of {PUBLISH_MODES}")
   if len(trace) == 0:
     raise ValueError(f"trace {trace.name!r} has no requests")
+  capacities = frame.check_capacities(capacities)
   need = int(-(-int(trace.kv_tokens.max()) // block_size))
   for capacity in capacities:
     if capacity < need:
@@ -263,34 +263,21 @@ def replay_vllm(
   if not from_tokens:
     _check_hash_ids(trace, block_size)
   capacities = [int(c) for c in capacities]
-  hits = vllm_replay.replay_hits(trace, block_size, capacities, timings)
-  warmup = int(np.floor(len(trace) * warmup_fraction))
-  total_tokens = int(np.asarray(trace.input_lengths, np.int64)[warmup:].sum())
-  return [
-    ReplayPoint(
-      policy="lru",
-      capacity_blocks=capacity,
-      block_size=block_size,
-      hit_tokens=int(row[warmup:].sum()),
-      total_tokens=total_tokens,
-      measured_requests=len(trace) - warmup,
-      underfilled=False,
-      per_request_hit_tokens=row,
-    )
-    for capacity, row in zip(capacities, hits, strict=True)
-  ]
+  prepared = vllm_engine.ENGINE.prepare(
+    trace, capacities, block_size=block_size, warmup_fraction=warmup_fraction
+  )
+  return frame.execute(vllm_engine.ENGINE, prepared, capacities)
 
 
-def _general_hits(
+def general_hits(
   trace: Trace,
   block_size: int,
   capacities: Sequence[int],
   publish: str = "early",
-  timings: dict | None = None,
 ) -> list[np.ndarray]:
   """``[R]`` int64 hit tokens per capacity through the general
   prefix-cache verbs, for arguments :func:`replay_vllm` accepts (the
-  reference for :mod:`prefixjax.vllm_replay`)."""
+  reference for :mod:`prefixjax.replay.vllm_engine`)."""
   from_tokens = trace.has_token_ids
   prompt_lens = np.asarray(trace.input_lengths, np.int32)
   totals = trace.kv_tokens.astype(np.int32)
@@ -306,15 +293,7 @@ def _general_hits(
     state = pc.init(
       int(capacity) + 1, block_size, max_seqs=1, max_blocks_per_seq=max_blocks
     )
-    start = time.perf_counter()
-    compiled = run.lower(state, *args, publish=publish).compile()
-    compile_s = time.perf_counter() - start
-    start = time.perf_counter()
-    _, (hits, status) = jax.block_until_ready(compiled(state, *args))
-    run_s = time.perf_counter() - start
-    if timings is not None:
-      timings["compile_s"] = timings.get("compile_s", 0.0) + compile_s
-      timings["run_s"] = timings.get("run_s", 0.0) + run_s
+    _, (hits, status) = run(state, *args, publish=publish)
     status = np.asarray(status)
     if (status != paging.Status.OK).any():
       bad = int(np.flatnonzero(status != paging.Status.OK)[0])

@@ -1,17 +1,16 @@
 """kvcache-simulator replay, a request (or a chunk of one) per scan step.
 
-A faster engine for :func:`prefixjax.replay.replay` (same
-:class:`~prefixjax.replay.ReplayPlan` in, same
-:class:`~prefixjax.replay.ReplayPoint` list out, hits equal request for
-request): where ``replay`` spends one scan step per block event, this
-engine serves ``W`` blocks of a request per step in a few ``[W]``-wide
-vectorised operations, after the design of :mod:`prefixjax.vllm_replay`
-(a request longer than ``W`` blocks takes several consecutive steps). One
-step serves every capacity: ``fifo`` keeps them as columns of its arrays,
-the leaf policies' scan is ``vmap``-ed over them. ``replay`` uses this
-engine for ``fifo``, and
+A faster engine than :mod:`.event` (same
+:class:`~prefixjax.replay.plan.ReplayPlan` in, hits equal request for
+request): where that engine spends one scan step per block event, this one
+serves ``W`` blocks of a request per step in a few ``[W]``-wide vectorised
+operations, after the design of :mod:`prefixjax.replay.vllm_engine` (a
+request longer than ``W`` blocks takes several consecutive steps). One step
+serves every capacity: ``fifo`` keeps them as columns of its arrays, the
+leaf policies' scan is ``vmap``-ed over them. :func:`prefixjax.replay.replay`
+uses this engine for ``fifo``, and
 for ``lru_leaf`` capacities below the longest request; the leaf policies
-otherwise go to :mod:`prefixjax.replay_keys`, which needs no trie.
+otherwise go to :mod:`.stack`, which needs no trie.
 
 ``fifo`` (kvcache-simulator's ``fifo``): a flat set plus an insertion
 queue; every block of the request not cached (in order) is inserted,
@@ -51,7 +50,7 @@ inserted under either key. A node gets a key row of its own only if it is
 used again; its key is the larger of that row (set when it is inserted
 again) and its request's base. Per step: one gather of the chunk's
 ``[2 W, C]`` key and base rows of the capacity-minor key array (through
-:func:`prefixjax.paging.barrier`), prefix sums along ``W``, one scatter of
+:func:`prefixjax._masked.barrier`), prefix sums along ``W``, one scatter of
 the key rows and one base row written; nothing depends on the number of
 nodes. (FIFO is not a stack algorithm, so no pass serves several
 capacities; on the first 1,500 Mooncake requests 256 capacities take
@@ -105,37 +104,27 @@ capacities, ``V`` trie nodes + 1 (the root), ``E`` block events.
 from __future__ import annotations
 
 import functools
-import time
-from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from prefixjax import bitmap
-from prefixjax.paging import barrier, gather, scatter
-from prefixjax.replay import (
-  REPLAY_POLICIES,
-  ReplayPlan,
-  ReplayPoint,
-  _capacities,
-  _point,
-  _timed_run,
-)
+from prefixjax._masked import NONE, barrier, gather, scatter
+from prefixjax.cache import bitmap
+from prefixjax.replay.frame import Batching, Prepared, ReplayEngine
+from prefixjax.replay.kvcache_sim import POLICIES
+from prefixjax.replay.plan import ReplayPlan, clip_capacities, points_of_events
 
-__all__ = ["FAST_POLICIES", "replay_fast"]
+__all__ = ["ENGINE", "chunk_points", "chunks", "column", "request_lengths"]
 
-FAST_POLICIES = ("fifo", "lru_leaf", "belady_leaf")
-"""Policies this engine serves."""
-
-_NONE = -1
 _CAPACITIES = "capacities"  # the vmap axis (eviction loops sync across it)
 _WIDTH = 32  # blocks per scan step (16 to 64 measure alike on Mooncake)
 # A fifo base row for capacity 0, whose base keys must stay below head = 0.
 _NO_BASE = -(2**30)
 
 
-def _layout(plan: ReplayPlan):
+def request_lengths(plan: ReplayPlan):
   """``[R_kept]`` blocks of each request and ``[E]`` each event's column
   in its request."""
   starts = np.flatnonzero(plan.first)
@@ -149,12 +138,12 @@ def chunks(plan: ReplayPlan, width: int):
   Returns the rows, ``[S]`` whether each chunk starts its request, ``[S]``
   each chunk's kept request and ``[S]`` its first column in the request.
   """
-  lengths, cols = _layout(plan)
+  lengths, cols = request_lengths(plan)
   per_request = -(-lengths // width)
   first_chunk = np.cumsum(per_request) - per_request
   chunk = first_chunk[plan.request] + cols // width
   num_chunks = int(per_request.sum())
-  rows = np.full((num_chunks, width), _NONE, np.int32)
+  rows = np.full((num_chunks, width), NONE, np.int32)
   rows[chunk, cols % width] = np.arange(plan.num_events)
   request = np.repeat(np.arange(plan.num_kept), per_request)
   offset = (np.arange(num_chunks) - first_chunk[request]) * width
@@ -163,7 +152,7 @@ def chunks(plan: ReplayPlan, width: int):
 
 def column(rows: np.ndarray, per_event: np.ndarray) -> np.ndarray:
   """``[S, W]`` int32: ``per_event`` at each chunk cell (-1 padded)."""
-  out = np.full(rows.shape, _NONE, np.int32)
+  out = np.full(rows.shape, NONE, np.int32)
   out[rows >= 0] = per_event[rows[rows >= 0]]
   return out
 
@@ -171,7 +160,7 @@ def column(rows: np.ndarray, per_event: np.ndarray) -> np.ndarray:
 def chunk_points(plan, policy, capacities, request, hits, filled):
   """Points from ``[C, S]`` hit blocks per chunk (a request's hits are its
   first blocks) and ``[C]`` filled flags."""
-  lengths, cols = _layout(plan)
+  lengths, cols = request_lengths(plan)
   hits = np.asarray(hits, np.int64)
   filled = np.asarray(filled)
   points = []
@@ -179,7 +168,9 @@ def chunk_points(plan, policy, capacities, request, hits, filled):
     per_kept = np.zeros(plan.num_kept, np.int64)
     np.add.at(per_kept, request, hits[i])
     event_hits = np.where(cols < per_kept[plan.request], plan.weight, 0)
-    points.append(_point(plan, policy, capacity, event_hits, bool(filled[i])))
+    points.append(
+      points_of_events(plan, policy, capacity, event_hits, bool(filled[i]))
+    )
   return points
 
 
@@ -213,7 +204,7 @@ def _fifo_chunks(plan: ReplayPlan, width: int):
   request, the key array's row count and its spare row.
   """
   num_events, num_kept = plan.num_events, plan.num_kept
-  lengths, cols = _layout(plan)
+  lengths, cols = request_lengths(plan)
   nodes, first_event, uses = np.unique(
     plan.node, return_index=True, return_counts=True
   )
@@ -332,7 +323,7 @@ def _fifo_all(xs, capacities, *, num_rows, spare):
   i32 = jnp.int32
   n = capacities.shape[0]
   s = {
-    "key_of": jnp.full((num_rows, n), _NONE, i32),
+    "key_of": jnp.full((num_rows, n), NONE, i32),
     "head": jnp.zeros((n,), i32),
     "tail": jnp.zeros((n,), i32),
     "head0": jnp.zeros((n,), i32),
@@ -364,6 +355,228 @@ def _below_bound(bm, offsets, key):
   return jnp.where(key >= 0, bound, -1)
 
 
+class _Chunk(NamedTuple):
+  """What the phases of one :func:`_leaf_step` share (read-only)."""
+
+  lru: bool
+  offsets: tuple[int, ...]  # the leaf bitmap's level offsets
+  never: int  # belady_leaf: the next-use event of an unused node
+  consts: tuple  # [E] ev_node, [E] ev_start, [E + 1] ev_req, [V] parent_of
+  nodes: jax.Array  # [W] the chunk's nodes (-1 padded)
+  valid: jax.Array  # [W] which columns hold a block
+  col: jax.Array  # [W] column indices
+  use_req: jax.Array  # [W] the request of each block's next use
+  new_keys: jax.Array  # [W] the key of a touch at each column
+  anchor: jax.Array  # the barriers' anchor (the chunk's first event)
+  req_start: jax.Array  # the request's first event
+
+
+def _origin(c: _Chunk, key):
+  """The event a key names (its node's, on the node's path)."""
+  return key if c.lru else jnp.where(key > c.never, key - c.never - 1, key)
+
+
+def _info_of(info, ns, fill=0):
+  """``[..., 2]`` rows (cached children, key) of nodes ``ns``: one gather."""
+  idx = jnp.stack([2 * ns, 2 * ns + 1], axis=-1)
+  out = gather(info, idx.reshape(-1), fill)
+  return out.reshape(idx.shape)
+
+
+def _leaf_hits(s, c: _Chunk, in_run, prev, prev_hit):
+  """The hit phase: reads the chunk's node rows and the deepest hit's bitmap
+  words (one barrier), then writes the hits' keys to ``s["info"]`` (one
+  scatter) and moves the deepest hit in ``s["bm"]`` if it is a leaf (only
+  it can be).
+
+  Returns the new state, the chunk's cached run, ``hit_n`` (its hit
+  blocks) and the updated ``prev`` and ``prev_hit``.
+  """
+  i32 = jnp.int32
+
+  def hit_reads():
+    # [W, 2]: cached children (-1: not cached), key.
+    rows = _info_of(s["info"], c.nodes, NONE)
+    cached = c.valid & (rows[:, 0] >= 0)
+    run = jnp.argmin(jnp.append(cached, False)).astype(i32)
+    hit_n = jnp.where(in_run, run, 0)
+    d_col = jnp.maximum(hit_n - 1, 0)
+    keys = jnp.stack([rows[d_col, 1], c.new_keys[d_col]])
+    return rows, run, hit_n, bitmap.words(s["bm"], c.offsets, keys)
+
+  (rows, run, hit_n, d_words) = barrier(c.anchor, *hit_reads())
+  d_col = jnp.maximum(hit_n - 1, 0)
+  d_leaf = (hit_n > 0) & (rows[d_col, 0] == 0)
+  hits = c.col < hit_n
+  s = dict(s)
+  s["info"] = scatter(s["info"], 2 * c.nodes + 1, c.new_keys, hits)
+  s["bm"] = bitmap.update(
+    s["bm"],
+    c.offsets,
+    jnp.stack([rows[d_col, 1], c.new_keys[d_col]]),
+    d_words,
+    jnp.asarray([False, True]),
+    jnp.stack([d_leaf, d_leaf]),
+  )
+  prev = jnp.where(hit_n > 0, c.nodes[d_col], prev)
+  prev_hit = prev_hit | (hit_n > 0)
+  return s, run, hit_n, prev, prev_hit
+
+
+def _walk_reads(c: _Chunk, info, bm, chain, hit_n, free, need, done, go):
+  """One eviction walk's reads (of the state after ``done`` victims): the
+  best leaf ``k1``, the rows of its chain of ancestors (the earlier events
+  of its request), the victims to take (``taken``), whether their parent
+  is exposed as a leaf, and the bitmap words to update."""
+  ev_node, ev_start, ev_req, _ = c.consts
+  i32 = jnp.int32
+  width = c.nodes.shape[0]
+  k1 = bitmap.find(bm, c.offsets, rightmost=not c.lru)
+  start = gather(ev_start, _origin(c, k1)[None], 0)[0]
+  chain_ev = _origin(c, k1) - chain
+  in_req = (k1 >= 0) & (chain_ev >= start)
+  chain_nodes = jnp.where(in_req, gather(ev_node, chain_ev, 0), NONE)
+  rows = _info_of(info, chain_nodes)
+  ch, key = rows[:, 0], rows[:, 1]
+  if c.lru:
+    # The request's own keys are the newest: never a victim while an
+    # older leaf is left. Ancestor i follows victim i - 1 while it is
+    # left childless, old and older than k1, so older than every leaf
+    # (a parent usually shares its child's request, so its key is
+    # smaller; stopping at a newer one only ends the walk early).
+    ok = (key < c.req_start) & (key <= k1)
+  else:
+    k2 = _below_bound(bm, c.offsets, k1)
+    # Victim i makes room for insertion free + done + i, whose next
+    # use must come before the victim's (else the Belady bypass).
+    key_req = gather(ev_req, jnp.minimum(key, c.never), 0)
+    incoming = c.use_req[jnp.clip(hit_n + free + done + chain, 0, width - 1)]
+    ok = (key_req > incoming) & (key > k2)
+  ok = in_req & ok & ((chain == 0) | (ch == 1))
+  lead = jnp.argmin(jnp.append(ok, False)).astype(i32)
+  go_now = go & (done < need)
+  taken = jnp.minimum(jnp.minimum(lead, need - done), width)
+  taken = jnp.where(go_now, taken, 0)
+  exposed = (taken > 0) & in_req[taken]
+  keys = jnp.stack([k1, key[taken]])
+  return (
+    chain_nodes,
+    ch,
+    taken,
+    exposed,
+    ch[taken] == 1,
+    keys,
+    bitmap.words(bm, c.offsets, keys),
+  )
+
+
+def _leaf_evict(s, c: _Chunk, hit_n, free, need):
+  """The eviction phase: chain walks in a ``while_loop`` until ``need``
+  victims are taken or none is left. Each walk reads through one barrier
+  (:func:`_walk_reads`), then writes ``info`` (victims uncached, the
+  exposed parent's children count) and ``bm`` with one scatter each.
+
+  Returns the new ``s["info"]`` and ``s["bm"]``, and the victims' count.
+  """
+  i32 = jnp.int32
+  chain = jnp.arange(c.nodes.shape[0] + 1, dtype=i32)
+
+  def evict_walk(carry):
+    info, bm, done, go = carry
+    chain_nodes, ch, taken, exposed, leaf, keys, words = barrier(
+      c.anchor + done,
+      *_walk_reads(c, info, bm, chain, hit_n, free, need, done, go),
+    )
+    victim = chain < taken
+    info = scatter(
+      info,
+      2 * chain_nodes,
+      jnp.where(victim, NONE, ch - 1),
+      victim | (exposed & (chain == taken)),
+    )
+    bm = bitmap.update(
+      bm,
+      c.offsets,
+      keys,
+      words,
+      jnp.asarray([False, True]),
+      jnp.stack([taken > 0, exposed & leaf]),
+    )
+    return info, bm, done + taken, taken > 0
+
+  def walking(carry):
+    go = carry[3] & (carry[2] < need)
+    return jax.lax.pmax(go.astype(i32), _CAPACITIES) > 0
+
+  info, bm, evicted, _ = jax.lax.while_loop(
+    walking, evict_walk, (s["info"], s["bm"], i32(0), need > 0)
+  )
+  return info, bm, evicted
+
+
+def _leaf_insert(s, c: _Chunk, hit_n, evicted, inserted, short, prev, prev_hit):
+  """The insertion phase: the chunk's missing blocks that fit (``kept``)
+  join the cached path below ``prev`` as a chain, or ``lru_leaf`` evicts
+  ``prev`` itself when nothing else is left. Reads the rows and bitmap
+  words of ``prev``, its parent and the last insertion (one barrier), then
+  writes ``s["info"]`` and ``s["bm"]`` with one scatter each.
+
+  Returns the new state, ``kept``, ``evict_prev`` and ``prev``'s parent.
+  """
+  i32 = jnp.int32
+  width = c.nodes.shape[0]
+  nodes, new_keys, col = c.nodes, c.new_keys, c.col
+  # lru_leaf: the next insertion evicts the request's last one. A
+  # belady_leaf victim of the request's own is always bypassed instead
+  # (its next use is no later than the incoming block's).
+  own = short & (inserted > 0) & c.lru
+  kept = inserted - own.astype(i32)
+  evict_prev = short & (inserted == 0) & ~prev_hit & c.lru
+  prev_parent = gather(c.consts[3], prev[None], 0)[0]
+
+  def end_reads():
+    ends = _info_of(s["info"], jnp.stack([prev, prev_parent]))  # [2, 2]
+    last = new_keys[jnp.clip(hit_n + kept - 1, 0, width - 1)]
+    keys = jnp.stack([ends[0, 1], last, ends[1, 1]])
+    return ends, last, bitmap.words(s["bm"], c.offsets, keys)
+
+  ends, last, end_words = barrier(c.anchor + evicted + 1, *end_reads())
+  new_col = (col >= hit_n) & (col < hit_n + kept)
+  chained = col < hit_n + kept - 1
+  prev_real = prev != 0
+  grow = (kept > 0) & prev_real
+  pp_real = evict_prev & (prev_parent != 0)
+  s = dict(s)
+  s["info"] = scatter(
+    s["info"],
+    jnp.concatenate(
+      [2 * nodes, 2 * nodes + 1, jnp.stack([2 * prev, 2 * prev_parent])]
+    ),
+    jnp.concatenate(
+      [
+        chained.astype(i32),
+        new_keys,
+        jnp.stack(
+          [jnp.where(evict_prev, NONE, ends[0, 0] + 1), ends[1, 0] - 1]
+        ),
+      ]
+    ),
+    jnp.concatenate(
+      [new_col, new_col, jnp.stack([grow | evict_prev, pp_real])]
+    ),
+  )
+  clear_prev = (grow & (ends[0, 0] == 0)) | evict_prev
+  s["bm"] = bitmap.update(
+    s["bm"],
+    c.offsets,
+    jnp.stack([ends[0, 1], last, ends[1, 1]]),
+    end_words,
+    jnp.asarray([False, True, True]),
+    jnp.stack([clear_prev, kept > 0, pp_real & (ends[1, 0] == 1)]),
+  )
+  return s, kept, evict_prev, prev_parent
+
+
 def _leaf_step(s, x, *, policy, capacity, consts, num_events):
   """Serves one chunk of a request under a leaf policy; returns its hits.
 
@@ -371,12 +584,12 @@ def _leaf_step(s, x, *, policy, capacity, consts, num_events):
   path so far (the root, its deepest hit or its last insertion) and
   ``prev_hit`` whether it is protected (the root or a hit); reads pass
   through one barrier per phase (hits, each walk, insertions) and every
-  array gets one masked scatter per phase.
+  array gets one masked scatter per phase: :func:`_leaf_hits`,
+  :func:`_leaf_evict`, :func:`_leaf_insert`, then this step updates the
+  request's scalars.
   """
   nodes, evs, use, use_req, first, warm = x
-  ev_node, ev_start, ev_req, parent_of = consts  # [E], [E], [E + 1], [V]
   lru = policy == "lru_leaf"
-  offsets = bitmap.layout(_num_keys(policy, num_events))[0]
   never = num_events  # belady_leaf: the next-use event of an unused node
   width = nodes.shape[0]
   i32 = jnp.int32
@@ -394,165 +607,29 @@ def _leaf_step(s, x, *, policy, capacity, consts, num_events):
     new_keys = evs
   else:
     new_keys = jnp.where(use < never, use, never + 1 + evs)
-
-  def origin(key):
-    """The event a key names (its node's, on the node's path)."""
-    return key if lru else jnp.where(key > never, key - never - 1, key)
-
-  def info_of(ns, fill=0):
-    idx = jnp.stack([2 * ns, 2 * ns + 1], axis=-1)
-    out = gather(s["info"], idx.reshape(-1), fill)
-    return out.reshape(idx.shape)
-
-  def hit_reads():
-    rows = info_of(nodes, _NONE)  # [W, 2] children (-1 not cached), key
-    cached = valid & (rows[:, 0] >= 0)
-    run = jnp.argmin(jnp.append(cached, False)).astype(i32)
-    hit_n = jnp.where(in_run, run, 0)
-    d_col = jnp.maximum(hit_n - 1, 0)
-    keys = jnp.stack([rows[d_col, 1], new_keys[d_col]])
-    return rows, run, hit_n, bitmap.words(s["bm"], offsets, keys)
-
-  (rows, run, hit_n, d_words) = barrier(anchor, *hit_reads())
-  d_col = jnp.maximum(hit_n - 1, 0)
-  d_leaf = (hit_n > 0) & (rows[d_col, 0] == 0)
-  hits = col < hit_n
-  s = dict(s)
-  s["info"] = scatter(s["info"], 2 * nodes + 1, new_keys, hits)
-  s["bm"] = bitmap.update(
-    s["bm"],
-    offsets,
-    jnp.stack([rows[d_col, 1], new_keys[d_col]]),
-    d_words,
-    jnp.asarray([False, True]),
-    jnp.stack([d_leaf, d_leaf]),
+  c = _Chunk(
+    lru=lru,
+    offsets=bitmap.layout(_num_keys(policy, num_events))[0],
+    never=never,
+    consts=consts,
+    nodes=nodes,
+    valid=valid,
+    col=col,
+    use_req=use_req,
+    new_keys=new_keys,
+    anchor=anchor,
+    req_start=req_start,
   )
-  prev = jnp.where(hit_n > 0, nodes[d_col], prev)
-  prev_hit = prev_hit | (hit_n > 0)
+  s, run, hit_n, prev, prev_hit = _leaf_hits(s, c, in_run, prev, prev_hit)
   misses = jnp.where(stop, 0, count - hit_n)
   size = s["size"]
   free = jnp.maximum(capacity - size, 0)
   need = jnp.maximum(misses - free, 0)
-  chain = jnp.arange(width + 1, dtype=i32)
-
-  def evict_walk(carry):
-    info, bm, done, go = carry
-
-    def reads():
-      k1 = bitmap.find(bm, offsets, rightmost=not lru)
-      start = gather(ev_start, origin(k1)[None], 0)[0]
-      chain_ev = origin(k1) - chain
-      in_req = (k1 >= 0) & (chain_ev >= start)
-      chain_nodes = jnp.where(in_req, gather(ev_node, chain_ev, 0), _NONE)
-      idx = jnp.stack([2 * chain_nodes, 2 * chain_nodes + 1], axis=-1)
-      rows = gather(info, idx.reshape(-1), 0).reshape(idx.shape)
-      ch, key = rows[:, 0], rows[:, 1]
-      if lru:
-        # The request's own keys are the newest: never a victim while an
-        # older leaf is left. Ancestor i follows victim i - 1 while it is
-        # left childless, old and older than k1, so older than every leaf
-        # (a parent usually shares its child's request, so its key is
-        # smaller; stopping at a newer one only ends the walk early).
-        ok = (key < req_start) & (key <= k1)
-      else:
-        k2 = _below_bound(bm, offsets, k1)
-        # Victim i makes room for insertion free + done + i, whose next
-        # use must come before the victim's (else the Belady bypass).
-        key_req = gather(ev_req, jnp.minimum(key, never), 0)
-        incoming = use_req[jnp.clip(hit_n + free + done + chain, 0, width - 1)]
-        ok = (key_req > incoming) & (key > k2)
-      ok = in_req & ok & ((chain == 0) | (ch == 1))
-      lead = jnp.argmin(jnp.append(ok, False)).astype(i32)
-      go_now = go & (done < need)
-      taken = jnp.minimum(jnp.minimum(lead, need - done), width)
-      taken = jnp.where(go_now, taken, 0)
-      exposed = (taken > 0) & in_req[taken]
-      keys = jnp.stack([k1, key[taken]])
-      return (
-        chain_nodes,
-        ch,
-        taken,
-        exposed,
-        ch[taken] == 1,
-        keys,
-        bitmap.words(bm, offsets, keys),
-      )
-
-    chain_nodes, ch, taken, exposed, leaf, keys, words = barrier(
-      anchor + done, *reads()
-    )
-    victim = chain < taken
-    info = scatter(
-      info,
-      2 * chain_nodes,
-      jnp.where(victim, _NONE, ch - 1),
-      victim | (exposed & (chain == taken)),
-    )
-    bm = bitmap.update(
-      bm,
-      offsets,
-      keys,
-      words,
-      jnp.asarray([False, True]),
-      jnp.stack([taken > 0, exposed & leaf]),
-    )
-    return info, bm, done + taken, taken > 0
-
-  def walking(carry):
-    go = carry[3] & (carry[2] < need)
-    return jax.lax.pmax(go.astype(i32), _CAPACITIES) > 0
-
-  s["info"], s["bm"], evicted, _ = jax.lax.while_loop(
-    walking, evict_walk, (s["info"], s["bm"], i32(0), need > 0)
-  )
+  s["info"], s["bm"], evicted = _leaf_evict(s, c, hit_n, free, need)
   inserted = jnp.minimum(misses, free + evicted)
   short = inserted < misses  # no victim left (or the Belady bypass)
-  # lru_leaf: the next insertion evicts the request's last one. A
-  # belady_leaf victim of the request's own is always bypassed instead
-  # (its next use is no later than the incoming block's).
-  own = short & (inserted > 0) & lru
-  kept = inserted - own.astype(i32)
-  evict_prev = short & (inserted == 0) & ~prev_hit & lru
-  prev_parent = gather(parent_of, prev[None], 0)[0]
-
-  def end_reads():
-    ends = info_of(jnp.stack([prev, prev_parent]))  # [2, 2]
-    last = new_keys[jnp.clip(hit_n + kept - 1, 0, width - 1)]
-    keys = jnp.stack([ends[0, 1], last, ends[1, 1]])
-    return ends, last, bitmap.words(s["bm"], offsets, keys)
-
-  ends, last, end_words = barrier(anchor + evicted + 1, *end_reads())
-  new_col = (col >= hit_n) & (col < hit_n + kept)
-  chained = col < hit_n + kept - 1
-  prev_real = prev != 0
-  grow = (kept > 0) & prev_real
-  pp_real = evict_prev & (prev_parent != 0)
-  s["info"] = scatter(
-    s["info"],
-    jnp.concatenate(
-      [2 * nodes, 2 * nodes + 1, jnp.stack([2 * prev, 2 * prev_parent])]
-    ),
-    jnp.concatenate(
-      [
-        chained.astype(i32),
-        new_keys,
-        jnp.stack(
-          [jnp.where(evict_prev, _NONE, ends[0, 0] + 1), ends[1, 0] - 1]
-        ),
-      ]
-    ),
-    jnp.concatenate(
-      [new_col, new_col, jnp.stack([grow | evict_prev, pp_real])]
-    ),
-  )
-  clear_prev = (grow & (ends[0, 0] == 0)) | evict_prev
-  s["bm"] = bitmap.update(
-    s["bm"],
-    offsets,
-    jnp.stack([ends[0, 1], last, ends[1, 1]]),
-    end_words,
-    jnp.asarray([False, True, True]),
-    jnp.stack([clear_prev, kept > 0, pp_real & (ends[1, 0] == 1)]),
+  s, kept, evict_prev, prev_parent = _leaf_insert(
+    s, c, hit_n, evicted, inserted, short, prev, prev_hit
   )
   last_node = nodes[jnp.clip(hit_n + kept - 1, 0, width - 1)]
   s["prev"] = jnp.where(
@@ -580,7 +657,7 @@ def _run(xs, consts, capacity, *, policy, num_nodes, num_events):
   nodes, first, warm, evs, use, use_req = xs
   # Per node, interleaved: [2n] cached children (-1: not cached), [2n + 1]
   # its key. The root is always cached and never a leaf.
-  info = jnp.zeros((num_nodes, 2), i32).at[1:, 0].set(_NONE)
+  info = jnp.zeros((num_nodes, 2), i32).at[1:, 0].set(NONE)
   num_words = bitmap.layout(_num_keys(policy, num_events))[1]
   s = {
     "in_run": jnp.bool_(False),
@@ -625,62 +702,29 @@ def _run_all(xs, consts, capacities, *, policy, num_nodes, num_events):
   return jax.vmap(run, axis_name=_CAPACITIES)(capacities)
 
 
-def replay_fast(
-  plan: ReplayPlan,
-  *,
-  policy: str,
-  capacities: Sequence[int],
-  timings: dict | None = None,
-  width: int | None = None,
-) -> list[ReplayPoint]:
-  """Like :func:`prefixjax.replay.replay`, one request per scan step.
-
-  Args:
-    plan: from :func:`prefixjax.replay.prepare_replay`.
-    policy: one of :data:`FAST_POLICIES`.
-    capacities: cache sizes in blocks (>= 0).
-    timings: if given, ``compile_s`` and ``run_s`` are added to it.
-    width: blocks per scan step (a longer request takes several steps;
-      ``fifo`` steps walk only the blocks seen before); by default 32, and
-      for ``fifo`` 32, 16 or 8 as the capacities grow (see
-      :func:`_fifo_width`).
-
-  Returns:
-    One :class:`~prefixjax.replay.ReplayPoint` per capacity, in order,
-    equal to ``replay``'s.
-
-  Example:
-    >>> from prefixjax import replay as rp
-    >>> from prefixjax.replay_fast import replay_fast
-    >>> plan = rp.prepare_replay([[1, 2], [1, 2, 3], [1, 4]], [20, 30, 17],
-    ...                          block_size=10, warmup_fraction=0.0)
-    >>> [p.per_request_hit_tokens.tolist() for p in replay_fast(
-    ...     plan, policy="fifo", capacities=[8])]
-    [[0, 20, 10]]
-  """
-  if policy not in REPLAY_POLICIES:
-    raise ValueError(f"policy={policy!r} is not one of {REPLAY_POLICIES}")
-  if policy not in FAST_POLICIES:
-    raise ValueError(f"policy={policy!r} is not one of {FAST_POLICIES}")
-  capacities, clipped = _capacities(plan, capacities)
-  if width is None:
-    width = _fifo_width(len(capacities)) if policy == "fifo" else _WIDTH
+def check_width(width) -> int:
   if isinstance(width, bool) or not isinstance(width, int) or width < 1:
     raise ValueError(f"width={width!r} must be an int >= 1")
-  probe = jnp.zeros((len(capacities),), jnp.int32)
+  return width
+
+
+def _prepare(plan: ReplayPlan, capacities, *, policy: str, width=None):
+  """Scan inputs for ``policy``; ``width`` blocks per scan step (a longer
+  request takes several steps; ``fifo`` steps walk only the blocks seen
+  before): by default 32, and for ``fifo`` 32, 16 or 8 as the capacities
+  grow (see :func:`_fifo_width`)."""
+  if width is None:
+    width = _fifo_width(len(capacities)) if policy == "fifo" else _WIDTH
+  check_width(width)
+  clipped = clip_capacities(plan, capacities)
   if policy == "fifo":
     xs, request, num_rows, spare = _fifo_chunks(plan, width)
-    xs = tuple(jnp.asarray(a) for a in xs)
-    static = dict(num_rows=num_rows, spare=spare)
-    start = time.perf_counter()
-    compiled = _fifo_all.lower(xs, probe, **static).compile()
-    hits, filled = _timed_run(
-      compiled,
-      (xs, jnp.asarray(clipped, jnp.int32)),
-      time.perf_counter() - start,
-      timings,
+    return Prepared(
+      arrays=tuple(jnp.asarray(a) for a in xs),
+      capacities=clipped,
+      static=dict(policy=policy, num_rows=num_rows, spare=spare),
+      context=(plan, request),
     )
-    return chunk_points(plan, policy, capacities, request, hits, filled)
   rows, first, request, _ = chunks(plan, width)
   nodes = column(rows, plan.node)
   warm = request < plan.warmup_requests
@@ -704,17 +748,41 @@ def replay_fast(
     jnp.asarray(a, jnp.int32)
     for a in (plan.node, ev_start, ev_req, plan.parent)
   )
-  static = dict(
-    policy=policy,
-    num_nodes=plan.unique_blocks + 1,
-    num_events=plan.num_events,
+  return Prepared(
+    arrays=(xs, consts),
+    capacities=clipped,
+    static=dict(
+      policy=policy,
+      num_nodes=plan.unique_blocks + 1,
+      num_events=plan.num_events,
+    ),
+    context=(plan, request),
   )
-  start = time.perf_counter()
-  compiled = _run_all.lower(xs, consts, probe, **static).compile()
-  hits, filled = _timed_run(
-    compiled,
-    (xs, consts, jnp.asarray(clipped, jnp.int32)),
-    time.perf_counter() - start,
-    timings,
-  )
+
+
+def _engine_run(arrays, capacities, *, policy, **static):
+  """``[C, S]`` hit blocks per chunk and ``[C]`` filled flags."""
+  if policy == "fifo":
+    return _fifo_all(arrays, capacities, **static)
+  xs, consts = arrays
+  return _run_all(xs, consts, capacities, policy=policy, **static)
+
+
+def _points(prepared: Prepared, capacities, outputs):
+  plan, request = prepared.context
+  hits, filled = outputs
+  policy = prepared.static["policy"]
   return chunk_points(plan, policy, capacities, request, hits, filled)
+
+
+ENGINE = ReplayEngine(
+  name="kvcache_sim.chunked",
+  semantics="kvcache-sim",
+  policies=POLICIES,
+  batching=Batching.COLUMNS,
+  prepare=_prepare,
+  run=_engine_run,
+  points=_points,
+)
+"""A request's blocks (``W`` at a time) per scan step, every capacity a
+column (``fifo``) or a vmapped lane (the leaf policies)."""

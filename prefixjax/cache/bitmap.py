@@ -6,7 +6,7 @@ live in one flat uint32 array; ``offsets`` (from :func:`layout`, a static
 tuple) says where each level starts. Finding the smallest or largest set
 key is one word gather per level (3-4 levels); updating a batch of keys is
 one gather (:func:`words`) and one scatter (:func:`update`), so callers can
-route the gathered words through :func:`prefixjax.paging.barrier`.
+route the gathered words through :func:`prefixjax._masked.barrier`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from prefixjax.paging import gather, scatter
+from prefixjax._masked import gather, scatter
 
 __all__ = ["find", "index", "layout", "update", "words"]
 

@@ -40,8 +40,8 @@ Eligible blocks are ``refcount == 0``, published, not the null block (and a
 leaf, for ``leaf_only``). Selection runs only after the free blocks without
 a hash are used up. For a ``static_score`` policy that is not ``leaf_only``
 (``fifo``, ``belady``) the cache keeps the eligible blocks in a 32-way
-tournament tree (:mod:`prefixjax.victim_tree`): the victim is its root, and
-each block that becomes or stops being eligible (hit, release, eviction)
+tournament tree (:mod:`prefixjax.cache.victim_tree`): the victim is its root,
+and each block that becomes or stops being eligible (hit, release, eviction)
 costs ``ceil(log32 N)`` small reductions, so these policies cost O(blocks
 touched * log32 N) per verb and never scan the pool. Otherwise (``lfu``,
 the leaf policies, user-defined policies by default) selection is one
@@ -55,7 +55,7 @@ in configs.
 Example (a user-defined policy: evict the largest block id first):
 
   >>> import jax.numpy as jnp
-  >>> from prefixjax import policies, prefix_cache as pc
+  >>> from prefixjax.cache import policies, prefix_cache as pc
   >>> largest_id = policies.EvictionPolicy(
   ...     init=lambda n: jnp.arange(n, dtype=jnp.int32),
   ...     score=lambda ids, now: -ids)
@@ -124,7 +124,7 @@ class EvictionPolicy(NamedTuple):
       free) and that ``score`` is elementwise: block ``b``'s score reads
       only entry ``b`` of the ``[N]`` arrays in ``policy_state`` (other
       leaves are scalars). The cache then keeps its free cached blocks in
-      a tournament tree (:mod:`prefixjax.victim_tree`) instead of scanning
+      a tournament tree (:mod:`prefixjax.cache.victim_tree`) instead of scanning
       ``[N]`` per victim. Ignored for ``leaf_only`` policies.
   """
 
@@ -295,8 +295,8 @@ def belady() -> EvictionPolicy:
   """Offline optimal: evict the block whose key is next used furthest ahead.
 
   The next-use times come from the trace: pass ``next_use`` ``[L]`` int32
-  per block to :func:`prefixjax.prefix_cache.allocate_with_prefix` and
-  :func:`~prefixjax.prefix_cache.publish` (the request step at which the
+  per block to :func:`prefixjax.cache.prefix_cache.allocate_with_prefix` and
+  :func:`~prefixjax.cache.prefix_cache.publish` (the request step at which the
   block's key is next wanted, :data:`NEVER` if never; see
   :func:`next_use_from_keys`). Each hit or publish stores it. Blocks never
   used again tie at :data:`NEVER`: deepest first.
@@ -350,7 +350,7 @@ def get_policy(name: str, **params) -> EvictionPolicy:
   """The policy registered as ``name``, built with ``params``.
 
   Example:
-    >>> from prefixjax import policies
+    >>> from prefixjax.cache import policies
     >>> policies.get_policy("lfu", decay=0.9) is policies.lfu(decay=0.9)
     True
   """
@@ -438,7 +438,7 @@ def next_use_from_keys(
     ``num_usable`` keys contain that key, or :data:`NEVER`.
 
   Example:
-    >>> from prefixjax import policies
+    >>> from prefixjax.cache import policies
     >>> policies.next_use_from_keys([["a", "b"], ["a"], ["b"]])
     [[2, 3], [2147483647], [2147483647]]
   """

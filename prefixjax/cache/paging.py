@@ -52,6 +52,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from prefixjax._masked import (
+  NO_BLOCK,
+  NULL_BLOCK,
+  barrier,
+  compact,
+  gather,
+  get_row,
+  scatter,
+  scatter_add,
+  set_row,
+)
+
 __all__ = [
   "NO_BLOCK",
   "NULL_BLOCK",
@@ -72,12 +84,6 @@ __all__ = [
   "release",
   "slot_mapping",
 ]
-
-NULL_BLOCK = 0
-"""Reserved block id that pads block tables; never allocated."""
-
-NO_BLOCK = -1
-"""Sentinel for "no block": ends of free-queue links, unused result lanes."""
 
 
 class Status(enum.IntEnum):
@@ -274,7 +280,7 @@ def init(
     ValueError: a size is out of range, or ``N * K`` overflows int32 slots.
 
   Example:
-    >>> from prefixjax import paging
+    >>> from prefixjax.cache import paging
     >>> state = paging.init(num_blocks=8, block_size=4, max_seqs=2,
     ...                     max_blocks_per_seq=3)
     >>> int(state.num_free)
@@ -308,117 +314,6 @@ def init(
   )
 
 
-def _check_state(state) -> None:
-  if not isinstance(state, PagingState):
-    raise TypeError(f"state must be a PagingState, got {type(state).__name__}")
-
-
-def as_index(name: str, value) -> jax.Array:
-  """Converts a scalar id or count to an int32 array, checking its type.
-
-  Concrete negative values are reported here; traced values are checked by
-  the verb, which returns a status.
-  """
-  if isinstance(value, bool):
-    raise TypeError(f"{name}={value!r} must be an integer, not a bool")
-  if isinstance(value, (int, np.integer)):
-    if value < 0:
-      raise ValueError(f"{name}={value} must be >= 0")
-    if value >= 2**31:
-      raise ValueError(f"{name}={value} does not fit in int32")
-    return jnp.asarray(value, jnp.int32)
-  arr = jnp.asarray(value)
-  if arr.shape != ():
-    raise ValueError(f"{name} must be a scalar, got shape {arr.shape}")
-  if not jnp.issubdtype(arr.dtype, jnp.integer):
-    raise TypeError(f"{name} must have an integer dtype, got {arr.dtype}")
-  return arr.astype(jnp.int32)
-
-
-# ---------------------------------------------------------------------------
-# Masked gather/scatter helpers. Indices that are out of range (including
-# NO_BLOCK) read ``fill`` and write nothing; that is how a failed verb becomes
-# a no-op without a cond over the whole state.
-
-
-def gather(x: jax.Array, idx: jax.Array, fill=0) -> jax.Array:
-  """``x[idx]`` with out-of-range (and negative) indices reading ``fill``."""
-  n = x.shape[0]
-  safe = jnp.where((idx >= 0) & (idx < n), idx, n)
-  return x.at[safe].get(mode="fill", fill_value=fill)
-
-
-def scatter(x: jax.Array, idx: jax.Array, values, mask) -> jax.Array:
-  """``x[idx] = values`` on lanes where ``mask``; other lanes write nothing."""
-  n = x.shape[0]
-  safe = jnp.where(mask & (idx >= 0) & (idx < n), idx, n)
-  return x.at[safe].set(values, mode="drop")
-
-
-def scatter_add(x: jax.Array, idx: jax.Array, values, mask) -> jax.Array:
-  """``x[idx] += values`` on lanes where ``mask``."""
-  n = x.shape[0]
-  safe = jnp.where(mask & (idx >= 0) & (idx < n), idx, n)
-  return x.at[safe].add(values, mode="drop")
-
-
-def _row(x: jax.Array, i: jax.Array, fill=0) -> jax.Array:
-  """Row ``i`` of a 2-D array through a gather (see module notes)."""
-  n = x.shape[0]
-  safe = jnp.where((i >= 0) & (i < n), i, n)
-  return x.at[safe[None]].get(mode="fill", fill_value=fill)[0]
-
-
-def _set_row(x: jax.Array, i: jax.Array, row: jax.Array, ok) -> jax.Array:
-  n = x.shape[0]
-  safe = jnp.where(ok & (i >= 0) & (i < n), i, n)
-  return x.at[safe[None]].set(row[None], mode="drop")
-
-
-def barrier(anchor: jax.Array, *values):
-  """Materialises ``values`` so XLA cannot re-read their sources later.
-
-  XLA may fuse a cheap read (say, the refcount gather that decides a mask)
-  into every consumer, including consumers not ordered before an in-place
-  scatter to the same array; copy insertion then copies the whole pool-sized
-  array to keep the old value alive, an O(N) cost per step (measured with
-  jax 0.10.2 on XLA:CPU: 16 us -> 275 us per step at N = 262,144).
-  ``lax.optimization_barrier`` does not prevent this on XLA:CPU (it is
-  expanded away before fusion), but a while loop is never fused into its
-  consumers: the values pass through a loop that runs zero times, with a trip
-  count XLA cannot see through.
-
-  Args:
-    anchor: an int32 scalar computed at run time that is never -7 (a block
-      id, an index); it makes the trip count opaque.
-    *values: arrays (or pytrees of integer / bool arrays) to materialise.
-
-  Returns:
-    ``values``, unchanged, as a tuple.
-  """
-  opaque_zero = (anchor == -7).astype(jnp.int32)
-
-  # The body never runs, but XLA must not see through it: it changes every
-  # value (else XLA drops loop invariants and the loop disappears) and mixes
-  # all of them into each (else XLA drops the outputs nobody uses, and with
-  # them the ordering they were passed in for).
-  def body(carry):
-    leaves, tree = jax.tree.flatten(carry[1])
-    mix = sum(jnp.sum(leaf.astype(jnp.int32)) for leaf in leaves)
-    mixed = [
-      jnp.invert(leaf) ^ (mix & 1).astype(leaf.dtype)
-      if leaf.dtype == jnp.bool_
-      else jnp.invert(leaf) ^ mix.astype(leaf.dtype)
-      for leaf in leaves
-    ]
-    return carry[0] + 1, jax.tree.unflatten(tree, mixed)
-
-  _, out = jax.lax.while_loop(
-    lambda carry: carry[0] < opaque_zero, body, (jnp.int32(0), values)
-  )
-  return out
-
-
 def settle(state: PagingState, *values):
   """:func:`barrier` anchored on the state's free-queue head.
 
@@ -427,11 +322,11 @@ def settle(state: PagingState, *values):
   return barrier(state.free_head, *values)
 
 
-def _blocks_for(num_tokens: jax.Array, block_size: int) -> jax.Array:
+def blocks_for(num_tokens: jax.Array, block_size: int) -> jax.Array:
   return (num_tokens + block_size - 1) // block_size
 
 
-def _first_error(*pairs) -> jax.Array:
+def first_error(*pairs) -> jax.Array:
   """The status of the first failing ``(condition, status)`` pair, else OK."""
   status = jnp.asarray(Status.OK, jnp.int32)
   for failed, code in reversed(pairs):
@@ -439,7 +334,7 @@ def _first_error(*pairs) -> jax.Array:
   return status
 
 
-def _seq_status(state: PagingState, seq_id: jax.Array, want_active: bool):
+def seq_status(state: PagingState, seq_id: jax.Array, want_active: bool):
   in_range = (seq_id >= 0) & (seq_id < state.max_seqs)
   active = gather(state.active, seq_id[None], False)[0]
   if want_active:
@@ -548,14 +443,6 @@ def unlink_free(state: PagingState, block: jax.Array, ok: jax.Array):
   )
 
 
-def _compact(values: jax.Array, keep: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Moves ``values[keep]`` to the front, in order; ``NO_BLOCK`` after."""
-  pos = jnp.cumsum(keep.astype(jnp.int32)) - 1
-  out = jnp.full(values.shape, NO_BLOCK, jnp.int32)
-  out = scatter(out, pos, values, keep)
-  return out, jnp.sum(keep.astype(jnp.int32))
-
-
 def drop_refs(state: PagingState, blocks: jax.Array, lanes: jax.Array):
   """Lowers refcounts of ``blocks[lanes]`` (distinct ids) by one.
 
@@ -566,7 +453,7 @@ def drop_refs(state: PagingState, blocks: jax.Array, lanes: jax.Array):
   """
   new_counts = settle(state, gather(state.refcounts, blocks) - 1)[0]
   refcounts = scatter(state.refcounts, blocks, new_counts, lanes)
-  freed, num_freed = _compact(blocks, lanes & (new_counts == 0))
+  freed, num_freed = compact(blocks, lanes & (new_counts == 0))
   state = push_free_tail(state.replace(refcounts=refcounts), freed, num_freed)
   return state, freed, num_freed
 
@@ -576,27 +463,6 @@ def drop_refs(state: PagingState, blocks: jax.Array, lanes: jax.Array):
 
 
 @jax.jit
-def _allocate(state: PagingState, seq_id, num_tokens):
-  m = state.max_blocks_per_seq
-  count = _blocks_for(num_tokens, state.block_size)
-  status = _first_error(
-    *_seq_status(state, seq_id, want_active=False),
-    (num_tokens < 0, Status.BAD_COUNT),
-    (count > m, Status.TABLE_OVERFLOW),
-    (count > state.num_free, Status.OUT_OF_BLOCKS),
-  )
-  status, count = settle(state, status, count)
-  ok = status == Status.OK
-  state, blocks = pop_free(state, count, ok)
-  row = jnp.where(blocks == NO_BLOCK, NULL_BLOCK, blocks)
-  state = state.replace(
-    block_tables=_set_row(state.block_tables, seq_id, row, ok),
-    num_tokens=scatter(state.num_tokens, seq_id[None], num_tokens, ok),
-    active=scatter(state.active, seq_id[None], True, ok),
-  )
-  return state, AllocateResult(status, blocks, jnp.where(ok, count, 0))
-
-
 def allocate(state: PagingState, seq_id, num_tokens):
   """Starts sequence ``seq_id`` holding ``num_tokens`` tokens.
 
@@ -613,20 +479,34 @@ def allocate(state: PagingState, seq_id, num_tokens):
     leaves the state unchanged.
 
   Example:
-    >>> from prefixjax import paging
+    >>> from prefixjax.cache import paging
     >>> s = paging.init(num_blocks=8, block_size=4, max_seqs=2,
     ...                 max_blocks_per_seq=3)
     >>> s, r = paging.allocate(s, 0, 6)
     >>> s.block_tables[0].tolist(), int(r.status)
     ([1, 2, 0], 0)
   """
-  _check_state(state)
-  return _allocate(
-    state, as_index("seq_id", seq_id), as_index("num_tokens", num_tokens)
+  m = state.max_blocks_per_seq
+  count = blocks_for(num_tokens, state.block_size)
+  status = first_error(
+    *seq_status(state, seq_id, want_active=False),
+    (num_tokens < 0, Status.BAD_COUNT),
+    (count > m, Status.TABLE_OVERFLOW),
+    (count > state.num_free, Status.OUT_OF_BLOCKS),
   )
+  status, count = settle(state, status, count)
+  ok = status == Status.OK
+  state, blocks = pop_free(state, count, ok)
+  row = jnp.where(blocks == NO_BLOCK, NULL_BLOCK, blocks)
+  state = state.replace(
+    block_tables=set_row(state.block_tables, seq_id, row, ok),
+    num_tokens=scatter(state.num_tokens, seq_id[None], num_tokens, ok),
+    active=scatter(state.active, seq_id[None], True, ok),
+  )
+  return state, AllocateResult(status, blocks, jnp.where(ok, count, 0))
 
 
-def _last_block(state: PagingState, seq_id):
+def last_block(state: PagingState, seq_id):
   """The block holding the next write position and whether it needs a copy.
 
   Returns ``(row, col, src, needed)``: ``needed`` when the sequence's last
@@ -635,7 +515,7 @@ def _last_block(state: PagingState, seq_id):
   k = state.block_size
   tokens = gather(state.num_tokens, seq_id[None])[0]
   col = tokens // k
-  row = _row(state.block_tables, seq_id)
+  row = get_row(state.block_tables, seq_id)
   src = gather(row, col[None], NULL_BLOCK)[0]
   shared = gather(state.refcounts, src[None])[0] > 1
   published = gather(state.published, src[None], False)[0]
@@ -646,7 +526,7 @@ def _last_block(state: PagingState, seq_id):
 def _copy_last(state: PagingState, seq_id, last, do):
   """Replaces the last block by a fresh copy when ``do``.
 
-  ``last`` is ``(row, col, src)`` from :func:`_last_block`, read before any
+  ``last`` is ``(row, col, src)`` from :func:`last_block`, read before any
   write. Returns ``(state, src [1], dst [1])``, ``NO_BLOCK`` lanes when not
   ``do``.
   """
@@ -655,7 +535,7 @@ def _copy_last(state: PagingState, seq_id, last, do):
   dst = fresh[0]
   row = scatter(row, col[None], dst, do)
   state = state.replace(
-    block_tables=_set_row(state.block_tables, seq_id, row, do)
+    block_tables=set_row(state.block_tables, seq_id, row, do)
   )
   state, _, _ = drop_refs(state, src[None], do[None])
   no = jnp.full((1,), NO_BLOCK, jnp.int32)
@@ -663,17 +543,6 @@ def _copy_last(state: PagingState, seq_id, last, do):
 
 
 @jax.jit
-def _copy_on_write(state: PagingState, seq_id):
-  *last, needed = _last_block(state, seq_id)
-  status = _first_error(
-    *_seq_status(state, seq_id, want_active=True),
-    (needed & (state.num_free < 1), Status.OUT_OF_BLOCKS),
-  )
-  status, do, last = settle(state, status, (status == Status.OK) & needed, last)
-  state, src, dst = _copy_last(state, seq_id, last, do)
-  return state, CopyResult(status, src, dst, do.astype(jnp.int32))
-
-
 def copy_on_write(state: PagingState, seq_id):
   """Makes the block at the sequence's next write position writable.
 
@@ -690,7 +559,7 @@ def copy_on_write(state: PagingState, seq_id):
     ``(new_state, CopyResult)``.
 
   Example:
-    >>> from prefixjax import paging
+    >>> from prefixjax.cache import paging
     >>> s = paging.init(num_blocks=8, block_size=4, max_seqs=2,
     ...                 max_blocks_per_seq=3)
     >>> s, _ = paging.allocate(s, 0, 6)
@@ -699,50 +568,17 @@ def copy_on_write(state: PagingState, seq_id):
     >>> c.src.tolist(), c.dst.tolist()
     ([2], [3])
   """
-  _check_state(state)
-  return _copy_on_write(state, as_index("seq_id", seq_id))
+  *last, needed = last_block(state, seq_id)
+  status = first_error(
+    *seq_status(state, seq_id, want_active=True),
+    (needed & (state.num_free < 1), Status.OUT_OF_BLOCKS),
+  )
+  status, do, last = settle(state, status, (status == Status.OK) & needed, last)
+  state, src, dst = _copy_last(state, seq_id, last, do)
+  return state, CopyResult(status, src, dst, do.astype(jnp.int32))
 
 
 @jax.jit
-def _append(state: PagingState, seq_id, num_new_tokens):
-  k = state.block_size
-  m = state.max_blocks_per_seq
-  tokens = gather(state.num_tokens, seq_id[None])[0]
-  have = _blocks_for(tokens, k)
-  total = tokens + num_new_tokens
-  count = _blocks_for(total, k) - have
-  *last, copy_needed = _last_block(state, seq_id)
-  copy_needed = copy_needed & (num_new_tokens > 0)
-  status = _first_error(
-    *_seq_status(state, seq_id, want_active=True),
-    (num_new_tokens < 0, Status.BAD_COUNT),
-    (_blocks_for(total, k) > m, Status.TABLE_OVERFLOW),
-    (
-      count + copy_needed.astype(jnp.int32) > state.num_free,
-      Status.OUT_OF_BLOCKS,
-    ),
-  )
-  status, count, total, have, copy_needed, last = settle(
-    state, status, count, total, have, copy_needed, last
-  )
-  ok = status == Status.OK
-  state, src, dst = _copy_last(state, seq_id, last, ok & copy_needed)
-  state, blocks = pop_free(state, count, ok)
-  # New blocks go to columns have, have + 1, ...
-  lanes = jnp.arange(m)
-  row = settle(state, _row(state.block_tables, seq_id))[0]
-  new_in_row = gather(blocks, lanes - have, NO_BLOCK)
-  row = jnp.where(new_in_row != NO_BLOCK, new_in_row, row)
-  state = state.replace(
-    block_tables=_set_row(state.block_tables, seq_id, row, ok),
-    num_tokens=scatter(state.num_tokens, seq_id[None], total, ok),
-  )
-  num_copies = (ok & copy_needed).astype(jnp.int32)
-  return state, AppendResult(
-    status, blocks, jnp.where(ok, count, 0), src, dst, num_copies
-  )
-
-
 def append(state: PagingState, seq_id, num_new_tokens):
   """Grows a live sequence by ``num_new_tokens`` tokens.
 
@@ -760,7 +596,7 @@ def append(state: PagingState, seq_id, num_new_tokens):
     ``(new_state, AppendResult)``; on a non-OK status the state is unchanged.
 
   Example:
-    >>> from prefixjax import paging
+    >>> from prefixjax.cache import paging
     >>> s = paging.init(num_blocks=8, block_size=4, max_seqs=2,
     ...                 max_blocks_per_seq=3)
     >>> s, _ = paging.allocate(s, 0, 3)
@@ -768,35 +604,45 @@ def append(state: PagingState, seq_id, num_new_tokens):
     >>> s.block_tables[0].tolist(), int(s.num_tokens[0])
     ([1, 2, 0], 5)
   """
-  _check_state(state)
-  return _append(
-    state,
-    as_index("seq_id", seq_id),
-    as_index("num_new_tokens", num_new_tokens),
+  k = state.block_size
+  m = state.max_blocks_per_seq
+  tokens = gather(state.num_tokens, seq_id[None])[0]
+  have = blocks_for(tokens, k)
+  total = tokens + num_new_tokens
+  count = blocks_for(total, k) - have
+  *last, copy_needed = last_block(state, seq_id)
+  copy_needed = copy_needed & (num_new_tokens > 0)
+  status = first_error(
+    *seq_status(state, seq_id, want_active=True),
+    (num_new_tokens < 0, Status.BAD_COUNT),
+    (blocks_for(total, k) > m, Status.TABLE_OVERFLOW),
+    (
+      count + copy_needed.astype(jnp.int32) > state.num_free,
+      Status.OUT_OF_BLOCKS,
+    ),
+  )
+  status, count, total, have, copy_needed, last = settle(
+    state, status, count, total, have, copy_needed, last
+  )
+  ok = status == Status.OK
+  state, src, dst = _copy_last(state, seq_id, last, ok & copy_needed)
+  state, blocks = pop_free(state, count, ok)
+  # New blocks go to columns have, have + 1, ...
+  lanes = jnp.arange(m)
+  row = settle(state, get_row(state.block_tables, seq_id))[0]
+  new_in_row = gather(blocks, lanes - have, NO_BLOCK)
+  row = jnp.where(new_in_row != NO_BLOCK, new_in_row, row)
+  state = state.replace(
+    block_tables=set_row(state.block_tables, seq_id, row, ok),
+    num_tokens=scatter(state.num_tokens, seq_id[None], total, ok),
+  )
+  num_copies = (ok & copy_needed).astype(jnp.int32)
+  return state, AppendResult(
+    status, blocks, jnp.where(ok, count, 0), src, dst, num_copies
   )
 
 
 @jax.jit
-def _fork(state: PagingState, parent_id, child_id):
-  parent_checks = _seq_status(state, parent_id, want_active=True)
-  child_checks = _seq_status(state, child_id, want_active=False)
-  status = _first_error(*parent_checks, *child_checks)
-  ok = status == Status.OK
-  row = _row(state.block_tables, parent_id)
-  tokens = gather(state.num_tokens, parent_id[None])[0]
-  lanes = jnp.arange(state.max_blocks_per_seq) < _blocks_for(
-    tokens, state.block_size
-  )
-  status, ok, row, tokens, lanes = settle(state, status, ok, row, tokens, lanes)
-  state = state.replace(
-    block_tables=_set_row(state.block_tables, child_id, row, ok),
-    num_tokens=scatter(state.num_tokens, child_id[None], tokens, ok),
-    active=scatter(state.active, child_id[None], True, ok),
-    refcounts=scatter_add(state.refcounts, row, 1, ok & lanes),
-  )
-  return state, status
-
-
 def fork(state: PagingState, parent_id, child_id):
   """Starts ``child_id`` sharing every block of ``parent_id``.
 
@@ -813,7 +659,7 @@ def fork(state: PagingState, parent_id, child_id):
     ``(new_state, status)`` with ``status`` an int32 :class:`Status`.
 
   Example:
-    >>> from prefixjax import paging
+    >>> from prefixjax.cache import paging
     >>> s = paging.init(num_blocks=8, block_size=4, max_seqs=2,
     ...                 max_blocks_per_seq=3)
     >>> s, _ = paging.allocate(s, 0, 6)
@@ -821,33 +667,26 @@ def fork(state: PagingState, parent_id, child_id):
     >>> s.refcounts[1:3].tolist()
     [2, 2]
   """
-  _check_state(state)
-  return _fork(
-    state, as_index("parent_id", parent_id), as_index("child_id", child_id)
+  parent_checks = seq_status(state, parent_id, want_active=True)
+  child_checks = seq_status(state, child_id, want_active=False)
+  status = first_error(*parent_checks, *child_checks)
+  ok = status == Status.OK
+  row = get_row(state.block_tables, parent_id)
+  tokens = gather(state.num_tokens, parent_id[None])[0]
+  lanes = jnp.arange(state.max_blocks_per_seq) < blocks_for(
+    tokens, state.block_size
   )
+  status, ok, row, tokens, lanes = settle(state, status, ok, row, tokens, lanes)
+  state = state.replace(
+    block_tables=set_row(state.block_tables, child_id, row, ok),
+    num_tokens=scatter(state.num_tokens, child_id[None], tokens, ok),
+    active=scatter(state.active, child_id[None], True, ok),
+    refcounts=scatter_add(state.refcounts, row, 1, ok & lanes),
+  )
+  return state, status
 
 
 @jax.jit
-def _release(state: PagingState, seq_id):
-  status = _first_error(*_seq_status(state, seq_id, want_active=True))
-  ok = status == Status.OK
-  row = _row(state.block_tables, seq_id)
-  tokens = gather(state.num_tokens, seq_id[None])[0]
-  lanes = ok & (
-    jnp.arange(state.max_blocks_per_seq) < _blocks_for(tokens, state.block_size)
-  )
-  status, ok, row, lanes = settle(state, status, ok, row, lanes)
-  # vLLM v1 KVCacheManager.free releases blocks in reverse order so that the
-  # tail (deepest) blocks reach the free queue first and are reused first.
-  state, freed, num_freed = drop_refs(state, row[::-1], lanes[::-1])
-  state = state.replace(
-    block_tables=_set_row(state.block_tables, seq_id, jnp.zeros_like(row), ok),
-    num_tokens=scatter(state.num_tokens, seq_id[None], 0, ok),
-    active=scatter(state.active, seq_id[None], False, ok),
-  )
-  return state, ReleaseResult(status, freed, num_freed)
-
-
 def release(state: PagingState, seq_id):
   """Ends a live sequence, dropping one reference from each of its blocks.
 
@@ -861,7 +700,7 @@ def release(state: PagingState, seq_id):
     ``(new_state, ReleaseResult)``.
 
   Example:
-    >>> from prefixjax import paging
+    >>> from prefixjax.cache import paging
     >>> s = paging.init(num_blocks=4, block_size=4, max_seqs=2,
     ...                 max_blocks_per_seq=3)
     >>> s, _ = paging.allocate(s, 0, 6)
@@ -869,12 +708,49 @@ def release(state: PagingState, seq_id):
     >>> r.freed_blocks[:2].tolist()
     [2, 1]
   """
-  _check_state(state)
-  return _release(state, as_index("seq_id", seq_id))
+  status = first_error(*seq_status(state, seq_id, want_active=True))
+  ok = status == Status.OK
+  row = get_row(state.block_tables, seq_id)
+  tokens = gather(state.num_tokens, seq_id[None])[0]
+  lanes = ok & (
+    jnp.arange(state.max_blocks_per_seq) < blocks_for(tokens, state.block_size)
+  )
+  status, ok, row, lanes = settle(state, status, ok, row, lanes)
+  # vLLM v1 KVCacheManager.free releases blocks in reverse order so that the
+  # tail (deepest) blocks reach the free queue first and are reused first.
+  state, freed, num_freed = drop_refs(state, row[::-1], lanes[::-1])
+  state = state.replace(
+    block_tables=set_row(state.block_tables, seq_id, jnp.zeros_like(row), ok),
+    num_tokens=scatter(state.num_tokens, seq_id[None], 0, ok),
+    active=scatter(state.active, seq_id[None], False, ok),
+  )
+  return state, ReleaseResult(status, freed, num_freed)
 
 
 @jax.jit
-def _slot_mapping(state: PagingState, seq_ids, positions):
+def slot_mapping(state: PagingState, seq_ids, positions):
+  """Maps token positions to KV-pool slots ``block_id * K + offset``.
+
+  Args:
+    state: the pool.
+    seq_ids: ``[T]`` int32 sequence of each token.
+    positions: ``[T]`` int32 position of each token within its sequence.
+
+  Returns:
+    ``[T]`` int32 slots; ``NO_BLOCK`` (-1) where the position is not held by
+    the sequence (negative, ``>= num_tokens``, or an unknown sequence), so a
+    KV write can drop it.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from prefixjax.cache import paging
+    >>> s = paging.init(num_blocks=8, block_size=4, max_seqs=2,
+    ...                 max_blocks_per_seq=3)
+    >>> s, _ = paging.allocate(s, 0, 6)
+    >>> paging.slot_mapping(s, jnp.zeros(3, jnp.int32),
+    ...                     jnp.array([0, 5, 6], jnp.int32)).tolist()
+    [4, 9, -1]
+  """
   k = state.block_size
   rows = state.block_tables.at[
     jnp.where((seq_ids >= 0) & (seq_ids < state.max_seqs), seq_ids, 0)
@@ -893,57 +769,8 @@ def _slot_mapping(state: PagingState, seq_ids, positions):
   return jnp.where(valid, block * k + positions % k, NO_BLOCK)
 
 
-def slot_mapping(state: PagingState, seq_ids, positions) -> jax.Array:
-  """Maps token positions to KV-pool slots ``block_id * K + offset``.
-
-  Args:
-    state: the pool.
-    seq_ids: ``[T]`` int32 sequence of each token.
-    positions: ``[T]`` int32 position of each token within its sequence.
-
-  Returns:
-    ``[T]`` int32 slots; ``NO_BLOCK`` (-1) where the position is not held by
-    the sequence (negative, ``>= num_tokens``, or an unknown sequence), so a
-    KV write can drop it.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from prefixjax import paging
-    >>> s = paging.init(num_blocks=8, block_size=4, max_seqs=2,
-    ...                 max_blocks_per_seq=3)
-    >>> s, _ = paging.allocate(s, 0, 6)
-    >>> paging.slot_mapping(s, jnp.zeros(3, jnp.int32),
-    ...                     jnp.array([0, 5, 6], jnp.int32)).tolist()
-    [4, 9, -1]
-  """
-  _check_state(state)
-  seq_ids = jnp.asarray(seq_ids)
-  positions = jnp.asarray(positions)
-  for name, arr in (("seq_ids", seq_ids), ("positions", positions)):
-    if arr.ndim != 1:
-      raise ValueError(f"{name} must be 1-D [T], got shape {arr.shape}")
-    if not jnp.issubdtype(arr.dtype, jnp.integer):
-      raise TypeError(f"{name} must be integer, got dtype {arr.dtype}")
-  if seq_ids.shape != positions.shape:
-    raise ValueError(
-      f"seq_ids shape {seq_ids.shape} != positions shape {positions.shape}"
-    )
-  return _slot_mapping(
-    state, seq_ids.astype(jnp.int32), positions.astype(jnp.int32)
-  )
-
-
 @jax.jit
-def _batch_view(state: PagingState, seq_ids):
-  valid = (seq_ids >= 0) & (seq_ids < state.max_seqs)
-  valid = valid & gather(state.active, seq_ids, False)
-  rows = state.block_tables.at[jnp.where(valid, seq_ids, 0)].get(mode="clip")
-  rows = jnp.where(valid[:, None], rows, NULL_BLOCK)
-  lengths = jnp.where(valid, gather(state.num_tokens, seq_ids), 0)
-  return BatchView(rows, lengths)
-
-
-def batch_view(state: PagingState, seq_ids) -> BatchView:
+def batch_view(state: PagingState, seq_ids):
   """Block tables and lengths of ``seq_ids`` for the attention kernels.
 
   Args:
@@ -954,18 +781,22 @@ def batch_view(state: PagingState, seq_ids) -> BatchView:
   Returns:
     A :class:`BatchView` with ``block_tables [B, M]`` and ``lengths [B]``.
   """
-  _check_state(state)
-  seq_ids = jnp.asarray(seq_ids)
-  if seq_ids.ndim != 1 or not jnp.issubdtype(seq_ids.dtype, jnp.integer):
-    raise ValueError(
-      f"seq_ids must be a 1-D integer array, got {seq_ids.shape} "
-      f"{seq_ids.dtype}"
-    )
-  return _batch_view(state, seq_ids.astype(jnp.int32))
+  valid = (seq_ids >= 0) & (seq_ids < state.max_seqs)
+  valid = valid & gather(state.active, seq_ids, False)
+  rows = state.block_tables.at[jnp.where(valid, seq_ids, 0)].get(mode="clip")
+  rows = jnp.where(valid[:, None], rows, NULL_BLOCK)
+  lengths = jnp.where(valid, gather(state.num_tokens, seq_ids), 0)
+  return BatchView(rows, lengths)
 
 
 # ---------------------------------------------------------------------------
 # Invariants (host side, for tests and debugging).
+
+
+def check_state(state) -> None:
+  """Raises ``TypeError`` unless ``state`` is a ``PagingState``."""
+  if not isinstance(state, PagingState):
+    raise TypeError(f"state must be a PagingState, got {type(state).__name__}")
 
 
 def check_invariants(state: PagingState) -> list[str]:
@@ -978,7 +809,7 @@ def check_invariants(state: PagingState) -> list[str]:
   * table entries past a sequence's ``ceil(num_tokens / K)`` are
     ``NULL_BLOCK``; inactive sequences hold nothing.
   """
-  _check_state(state)
+  check_state(state)
   errors: list[str] = []
   tables = np.asarray(state.block_tables)
   tokens = np.asarray(state.num_tokens)

@@ -1,0 +1,135 @@
+"""Host-checked paging verbs: concrete arguments validated, clear errors.
+
+Each function has the name and arguments of the traceable verb in
+:mod:`prefixjax.cache.paging` and calls it after checking, on the host, that
+the state is a :class:`~prefixjax.cache.paging.PagingState` and that ids and
+counts are integer scalars in range (``TypeError`` / ``ValueError`` naming
+the argument and its value). Use these at a program's boundary; inside
+``jit`` / ``vmap`` / ``scan`` call the traceable verbs, whose failures are
+status values.
+
+Example:
+  >>> from prefixjax.cache import paging
+  >>> from prefixjax.cache.checked import paging as checked
+  >>> s = paging.init(num_blocks=8, block_size=4, max_seqs=2,
+  ...                 max_blocks_per_seq=3)
+  >>> s, r = checked.allocate(s, 0, 6)
+  >>> s.block_tables[0].tolist(), int(r.status)
+  ([1, 2, 0], 0)
+  >>> checked.allocate(s, 1, -1)
+  Traceback (most recent call last):
+  ...
+  ValueError: num_tokens=-1 must be >= 0
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from prefixjax.cache import paging
+from prefixjax.cache.paging import BatchView, PagingState, check_state
+
+__all__ = [
+  "allocate",
+  "append",
+  "as_index",
+  "batch_view",
+  "check_state",
+  "copy_on_write",
+  "fork",
+  "release",
+  "slot_mapping",
+]
+
+
+def as_index(name: str, value) -> jax.Array:
+  """Converts a scalar id or count to an int32 array, checking its type.
+
+  Concrete negative values are reported here; traced values are checked by
+  the verb, which returns a status.
+  """
+  if isinstance(value, bool):
+    raise TypeError(f"{name}={value!r} must be an integer, not a bool")
+  if isinstance(value, (int, np.integer)):
+    if value < 0:
+      raise ValueError(f"{name}={value} must be >= 0")
+    if value >= 2**31:
+      raise ValueError(f"{name}={value} does not fit in int32")
+    return jnp.asarray(value, jnp.int32)
+  arr = jnp.asarray(value)
+  if arr.shape != ():
+    raise ValueError(f"{name} must be a scalar, got shape {arr.shape}")
+  if not jnp.issubdtype(arr.dtype, jnp.integer):
+    raise TypeError(f"{name} must have an integer dtype, got {arr.dtype}")
+  return arr.astype(jnp.int32)
+
+
+def allocate(state: PagingState, seq_id, num_tokens):
+  """Checked :func:`prefixjax.cache.paging.allocate`."""
+  check_state(state)
+  return paging.allocate(
+    state, as_index("seq_id", seq_id), as_index("num_tokens", num_tokens)
+  )
+
+
+def copy_on_write(state: PagingState, seq_id):
+  """Checked :func:`prefixjax.cache.paging.copy_on_write`."""
+  check_state(state)
+  return paging.copy_on_write(state, as_index("seq_id", seq_id))
+
+
+def append(state: PagingState, seq_id, num_new_tokens):
+  """Checked :func:`prefixjax.cache.paging.append`."""
+  check_state(state)
+  return paging.append(
+    state,
+    as_index("seq_id", seq_id),
+    as_index("num_new_tokens", num_new_tokens),
+  )
+
+
+def fork(state: PagingState, parent_id, child_id):
+  """Checked :func:`prefixjax.cache.paging.fork`."""
+  check_state(state)
+  return paging.fork(
+    state, as_index("parent_id", parent_id), as_index("child_id", child_id)
+  )
+
+
+def release(state: PagingState, seq_id):
+  """Checked :func:`prefixjax.cache.paging.release`."""
+  check_state(state)
+  return paging.release(state, as_index("seq_id", seq_id))
+
+
+def slot_mapping(state: PagingState, seq_ids, positions) -> jax.Array:
+  """Checked :func:`prefixjax.cache.paging.slot_mapping`."""
+  check_state(state)
+  seq_ids = jnp.asarray(seq_ids)
+  positions = jnp.asarray(positions)
+  for name, arr in (("seq_ids", seq_ids), ("positions", positions)):
+    if arr.ndim != 1:
+      raise ValueError(f"{name} must be 1-D [T], got shape {arr.shape}")
+    if not jnp.issubdtype(arr.dtype, jnp.integer):
+      raise TypeError(f"{name} must be integer, got dtype {arr.dtype}")
+  if seq_ids.shape != positions.shape:
+    raise ValueError(
+      f"seq_ids shape {seq_ids.shape} != positions shape {positions.shape}"
+    )
+  return paging.slot_mapping(
+    state, seq_ids.astype(jnp.int32), positions.astype(jnp.int32)
+  )
+
+
+def batch_view(state: PagingState, seq_ids) -> BatchView:
+  """Checked :func:`prefixjax.cache.paging.batch_view`."""
+  check_state(state)
+  seq_ids = jnp.asarray(seq_ids)
+  if seq_ids.ndim != 1 or not jnp.issubdtype(seq_ids.dtype, jnp.integer):
+    raise ValueError(
+      f"seq_ids must be a 1-D integer array, got {seq_ids.shape} "
+      f"{seq_ids.dtype}"
+    )
+  return paging.batch_view(state, seq_ids.astype(jnp.int32))

@@ -1,0 +1,135 @@
+"""Host-checked prefix-cache verbs (see :mod:`prefixjax.cache.prefix_cache`).
+
+Each checks the state type, ids and counts (as
+:mod:`prefixjax.cache.checked.paging` does), key arrays (``uint32``
+``[L, 2]``) and ``next_use`` on the host, then calls the traceable verb of
+the same name.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from prefixjax.cache import policies as policies_lib
+from prefixjax.cache import prefix_cache
+from prefixjax.cache.checked.paging import as_index
+from prefixjax.cache.prefix_cache import PrefixCacheState, check_state
+
+__all__ = [
+  "allocate_with_prefix",
+  "append",
+  "check_state",
+  "copy_on_write",
+  "fork",
+  "invalidate",
+  "keys_arg",
+  "match",
+  "next_use_arg",
+  "publish",
+  "release",
+]
+
+
+def keys_arg(state: PrefixCacheState, block_keys) -> jax.Array:
+  """``[L, 2]`` uint32 -> ``[M, 2]`` (zero-padded or truncated)."""
+  keys = jnp.asarray(block_keys)
+  if keys.ndim != 2 or keys.shape[-1] != 2 or keys.dtype != jnp.uint32:
+    raise ValueError(
+      f"block_keys must be uint32 of shape [L, 2], got {keys.shape} "
+      f"{keys.dtype}"
+    )
+  m = state.max_blocks_per_seq
+  if keys.shape[0] < m:
+    keys = jnp.concatenate(
+      [keys, jnp.zeros((m - keys.shape[0], 2), jnp.uint32)]
+    )
+  return keys[:m]
+
+
+def next_use_arg(state: PrefixCacheState, next_use):
+  """``None`` or ``[L]`` int -> ``None`` or ``[M]`` int32."""
+  if next_use is None:
+    return None
+  return policies_lib.as_next_use(next_use, state.max_blocks_per_seq)
+
+
+def match(state: PrefixCacheState, block_keys, num_prompt_tokens):
+  """Checked :func:`prefixjax.cache.prefix_cache.match`."""
+  check_state(state)
+  return prefix_cache.match(
+    state,
+    keys_arg(state, block_keys),
+    as_index("num_prompt_tokens", num_prompt_tokens),
+  )
+
+
+def allocate_with_prefix(
+  state: PrefixCacheState,
+  seq_id,
+  block_keys,
+  num_prompt_tokens,
+  *,
+  next_use=None,
+):
+  """Checked :func:`prefixjax.cache.prefix_cache.allocate_with_prefix`."""
+  check_state(state)
+  return prefix_cache.allocate_with_prefix(
+    state,
+    as_index("seq_id", seq_id),
+    keys_arg(state, block_keys),
+    as_index("num_prompt_tokens", num_prompt_tokens),
+    next_use_arg(state, next_use),
+  )
+
+
+def append(state: PrefixCacheState, seq_id, num_new_tokens):
+  """Checked :func:`prefixjax.cache.prefix_cache.append`."""
+  check_state(state)
+  return prefix_cache.append(
+    state,
+    as_index("seq_id", seq_id),
+    as_index("num_new_tokens", num_new_tokens),
+  )
+
+
+def copy_on_write(state: PrefixCacheState, seq_id):
+  """Checked :func:`prefixjax.cache.prefix_cache.copy_on_write`."""
+  check_state(state)
+  return prefix_cache.copy_on_write(state, as_index("seq_id", seq_id))
+
+
+def fork(state: PrefixCacheState, parent_id, child_id):
+  """Checked :func:`prefixjax.cache.prefix_cache.fork`."""
+  check_state(state)
+  return prefix_cache.fork(
+    state,
+    as_index("parent_id", parent_id),
+    as_index("child_id", child_id),
+  )
+
+
+def publish(
+  state: PrefixCacheState, seq_id, block_keys, num_tokens, *, next_use=None
+):
+  """Checked :func:`prefixjax.cache.prefix_cache.publish`."""
+  check_state(state)
+  return prefix_cache.publish(
+    state,
+    as_index("seq_id", seq_id),
+    keys_arg(state, block_keys),
+    as_index("num_tokens", num_tokens),
+    next_use_arg(state, next_use),
+  )
+
+
+def release(state: PrefixCacheState, seq_id):
+  """Checked :func:`prefixjax.cache.prefix_cache.release`."""
+  check_state(state)
+  return prefix_cache.release(state, as_index("seq_id", seq_id))
+
+
+def invalidate(state: PrefixCacheState):
+  """Checked :func:`prefixjax.cache.prefix_cache.invalidate`."""
+  check_state(state)
+  return prefix_cache.invalidate(state)

@@ -1,0 +1,272 @@
+"""Prefix-cache eviction machinery (traceable; the verbs jit).
+
+The bookkeeping behind identity eviction and the eviction policies of
+:mod:`prefixjax.cache.prefix_cache` (see its docstring): dropping a block's
+identity (index entry, duplicate-key list, ``published`` flag), the
+leaf/parent links of ``leaf_only`` policies, the victim tree of
+``static_score`` policies, touching hit blocks, and promoting a scoring
+policy's victims to the free-queue head before the paging pops.
+
+Each function takes the cache state (``push_free_head``: its paging state)
+and returns the new one; ``ok`` / ``lanes`` / ``count`` arguments mask the
+work, so a failed verb changes nothing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from prefixjax._masked import (
+  NO_BLOCK,
+  NULL_BLOCK,
+  compact,
+  gather,
+  scatter,
+  scatter_add,
+)
+from prefixjax.cache import index as index_lib
+from prefixjax.cache import paging, victim_tree
+from prefixjax.cache import policies as policies_lib
+from prefixjax.cache.prefix_state import (
+  PrefixCacheState,
+  add_stats,
+  settle,
+  uses_tree,
+)
+
+__all__ = [
+  "evict_popped",
+  "link_parents",
+  "promote_victims",
+  "push_free_head",
+  "rank",
+  "refresh_tree",
+  "touch",
+]
+
+
+def rank(state: PrefixCacheState):
+  """``ids -> (evictable, score, depth)`` for :mod:`prefixjax.cache.victim_tree`
+  (the policy's score on the ``[N]`` metadata entries of ``ids``)."""
+  n = state.num_blocks
+
+  def rank(ids):
+    valid = (
+      (ids > NULL_BLOCK)
+      & (ids < n)
+      & (gather(state.paging.refcounts, ids, 1) == 0)
+      & (gather(state.dup_next, ids, NO_BLOCK) != NO_BLOCK)
+    )
+    meta = jax.tree.map(
+      lambda x: gather(x, ids) if x.ndim and x.shape[0] == n else x,
+      state.policy_state,
+    )
+    score = state.policy.score(meta, state.clock)
+    return valid, score, gather(state.block_depth, ids, -1)
+
+  return rank
+
+
+def refresh_tree(state: PrefixCacheState, blocks: jax.Array, lanes):
+  """Re-ranks ``blocks[lanes]`` in the victim tree (if the policy has
+  one) after their eligibility may have changed. The state rides through
+  the loop so later writes are ordered after its reads."""
+  if not uses_tree(state.policy):
+    return state
+  todo, count = compact(blocks, lanes)
+
+  def body(c):
+    i, state = c
+    tree = victim_tree.refresh(
+      state.victim_tree, todo[i], jnp.bool_(True), rank(state)
+    )
+    return i + 1, state.replace(victim_tree=tree)
+
+  _, state = jax.lax.while_loop(
+    lambda c: c[0] < count, body, (jnp.int32(0), state)
+  )
+  return state
+
+
+def _evict_one(state: PrefixCacheState, block, ok):
+  """Drops ``block``'s identity if it has one (``ok`` masks the call)."""
+  nxt = gather(state.dup_next, block[None], NO_BLOCK)[0]
+  prv = gather(state.dup_prev, block[None], NO_BLOCK)[0]
+  key = state.block_hash.at[jnp.clip(block, 0, state.num_blocks - 1)].get()
+  has = ok & (nxt != NO_BLOCK)
+  sole = nxt == block
+  head = index_lib.lookup(state.index, key[None], has[None])[0]
+  nxt, prv, key, has, sole, head = settle(state, nxt, prv, key, has, sole, head)
+  idx, _ = index_lib.delete(state.index, key, has & sole)
+  idx, _ = index_lib.update(idx, key, nxt, has & ~sole & (head == block))
+  relink = has & ~sole
+  dup_next = scatter(state.dup_next, prv[None], nxt, relink)
+  dup_prev = scatter(state.dup_prev, nxt[None], prv, relink)
+  dup_next = scatter(dup_next, block[None], NO_BLOCK, has)
+  dup_prev = scatter(dup_prev, block[None], NO_BLOCK, has)
+  block_hash = state.block_hash.at[jnp.where(has, block, state.num_blocks)].set(
+    jnp.zeros((2,), jnp.uint32), mode="drop"
+  )
+  pstate = state.paging.replace(
+    published=scatter(state.paging.published, block[None], False, has)
+  )
+  one = has.astype(jnp.int32)
+  stats = add_stats(state.stats, evictions=one)
+  stats = stats.replace(
+    num_cached=stats.num_cached - one,
+    num_cached_free=stats.num_cached_free - one,
+  )
+  state = state.replace(
+    paging=pstate,
+    index=idx,
+    block_hash=block_hash,
+    dup_next=dup_next,
+    dup_prev=dup_prev,
+    stats=stats,
+  )
+  if state.policy.leaf_only:
+    state = _unlink_parent(state, block, has)
+  state = refresh_tree(state, block[None], has[None])
+  return state, one
+
+
+def _unlink_parent(state: PrefixCacheState, block, has):
+  """Leaf bookkeeping when ``block`` (``has``) loses its identity."""
+  parent = gather(state.block_parent, block[None], NO_BLOCK)[0]
+  parent = settle(state, parent)[0]
+  num_children = scatter_add(
+    state.num_children, parent[None], -1, has & (parent != NO_BLOCK)
+  )
+  num_children = scatter(num_children, block[None], 0, has)
+  # Only the fallback rule evicts a block with cached children: they become
+  # first blocks of their chains (O(N), as the scan that chose the block).
+  block_parent = jnp.where(
+    has & (state.block_parent == block), NO_BLOCK, state.block_parent
+  )
+  block_parent = scatter(block_parent, block[None], NO_BLOCK, has)
+  return state.replace(block_parent=block_parent, num_children=num_children)
+
+
+def link_parents(state: PrefixCacheState, row, published_now):
+  """Leaf bookkeeping for blocks ``row[published_now]`` just published: the
+  parent of column ``i`` is column ``i - 1`` when that block is cached."""
+  prev = jnp.concatenate([jnp.full((1,), NO_BLOCK, jnp.int32), row[:-1]])
+  prev_cached = gather(state.paging.published, prev, False)
+  parent = jnp.where(prev_cached, prev, NO_BLOCK)
+  parent = settle(state, parent)[0]
+  return state.replace(
+    block_parent=scatter(state.block_parent, row, parent, published_now),
+    num_children=scatter_add(
+      state.num_children, parent, 1, published_now & (parent != NO_BLOCK)
+    ),
+  )
+
+
+def promote_victims(state: PrefixCacheState, need, ok):
+  """Scoring policies: makes the next ``need`` queue pops policy-correct.
+
+  Free blocks without a hash sit at the queue head (``prepend_unhashed``)
+  and are used first. For the shortfall, the policy's victims are chosen one
+  at a time (each a masked reduction over ``[N]``; an eviction may turn its
+  parent into a leaf), lose their identity, and are moved to the queue head
+  in that order, where the caller's pops take them.
+
+  Returns:
+    ``(state, num_victims)``.
+  """
+  m = state.max_blocks_per_seq
+  unhashed = state.paging.num_free - state.stats.num_cached_free
+  count = jnp.where(ok, jnp.clip(need - unhashed, 0, m), 0)
+
+  def body(c):
+    i, state, victims = c
+    if uses_tree(state.policy):
+      victim = victim_tree.victim(state.victim_tree)
+    else:
+      evictable = (state.paging.refcounts == 0) & (state.dup_next != NO_BLOCK)
+      victim = policies_lib.select_victim(
+        state.policy,
+        state.policy_state,
+        state.clock,
+        evictable,
+        state.num_children == 0,
+        state.block_depth,
+      )
+    victim = settle(state, victim)[0]
+    found = victim != NO_BLOCK
+    state, _ = _evict_one(state, victim, found)
+    pstate = paging.unlink_free(state.paging, victim, found)
+    return i + 1, state.replace(paging=pstate), victims.at[i].set(victim)
+
+  _, state, victims = jax.lax.while_loop(
+    lambda c: c[0] < count,
+    body,
+    (jnp.int32(0), state, jnp.full((m,), NO_BLOCK, jnp.int32)),
+  )
+  num = jnp.sum((victims != NO_BLOCK).astype(jnp.int32))
+  pstate = push_free_head(state.paging, victims, num)
+  return state.replace(paging=pstate), num
+
+
+def evict_popped(state: PrefixCacheState, blocks: jax.Array, count):
+  """Identity eviction for freshly popped ``blocks[:count]``, in order."""
+
+  def body(c):
+    i, state, n = c
+    state, one = _evict_one(state, blocks[i], jnp.bool_(True))
+    return i + 1, state, n + one
+
+  _, state, n = jax.lax.while_loop(
+    lambda c: c[0] < count, body, (jnp.int32(0), state, jnp.int32(0))
+  )
+  return state, n
+
+
+def touch(state: PrefixCacheState, blocks: jax.Array, count):
+  """Refcount up on ``blocks[:count]``; refcount-0 ones leave the queue."""
+  lanes = jnp.arange(blocks.shape[0]) < count
+  zero = lanes & (gather(state.paging.refcounts, blocks) == 0)
+  # ``lanes`` passes through the same barrier so the refcount scatter below
+  # is ordered after the read (else XLA copies ``refcounts``).
+  zero, lanes = settle(state, zero, lanes)
+
+  # Remove, then count (never the other way round).
+  def body(c):
+    i, pstate = c
+    pstate = paging.unlink_free(pstate, blocks[i], zero[i])
+    return i + 1, pstate
+
+  _, pstate = jax.lax.while_loop(
+    lambda c: c[0] < count, body, (jnp.int32(0), state.paging)
+  )
+  pstate = pstate.replace(
+    refcounts=scatter_add(pstate.refcounts, blocks, 1, lanes)
+  )
+  stats = state.stats
+  stats = stats.replace(
+    num_cached_free=stats.num_cached_free - jnp.sum(zero.astype(jnp.int32))
+  )
+  state = state.replace(paging=pstate, stats=stats)
+  return refresh_tree(state, blocks, zero)
+
+
+def push_free_head(pstate: paging.PagingState, blocks, count):
+  """Puts ``blocks[:count]`` at the queue head, keeping their order."""
+  n = blocks.shape[0]
+  lanes = jnp.arange(n) < count
+  old_head, old_tail = pstate.free_head, pstate.free_tail
+  next_of = jnp.concatenate([blocks[1:], jnp.full((1,), NO_BLOCK, jnp.int32)])
+  next_of = jnp.where(jnp.arange(n) + 1 < count, next_of, old_head)
+  prev_of = jnp.concatenate([jnp.full((1,), NO_BLOCK, jnp.int32), blocks[:-1]])
+  any_new = count > 0
+  first = blocks[0]
+  last = gather(blocks, (count - 1)[None], NO_BLOCK)[0]
+  free_prev = scatter(pstate.free_prev, blocks, prev_of, lanes)
+  return pstate.replace(
+    free_next=scatter(pstate.free_next, blocks, next_of, lanes),
+    free_prev=scatter(free_prev, old_head[None], last, any_new),
+    free_head=jnp.where(any_new, first, old_head),
+    free_tail=jnp.where(any_new & (old_tail == NO_BLOCK), last, old_tail),
+    num_free=pstate.num_free + count,
+  )

@@ -1,0 +1,595 @@
+"""Prefix cache: the paging core plus an on-device index of block hashes.
+
+A :class:`PrefixCacheState` is a
+:class:`prefixjax.cache.paging.PagingState`, an
+:class:`prefixjax.cache.index.IndexState` mapping 64-bit block keys to
+blocks, the key each block carries, and statistics: one frozen pytree. Every
+verb is a pure jitted function that takes the state first and returns
+``(new_state, result)``; a failed verb returns the state unchanged with a
+status, as in the paging core. Semantics are vLLM v1's automatic prefix
+caching (see ``tests/reference_models/vllm_apc.py``, the test oracle):
+
+* Keys are chained block hashes (:mod:`prefixjax.cache.hashing`), given to the
+  verbs as ``block_keys [L, 2]`` uint32 (content keys). The state mixes its
+  ``version`` word into every key at lookup and insert; :func:`invalidate`
+  bumps it, so every earlier block becomes unmatchable in O(1). Old blocks
+  keep their (old-version) identity until the allocator reuses them. A
+  sequence publishes under the version it started with (``seq_version``),
+  so KV computed before a bump never becomes matchable after it.
+* :func:`match` finds the longest run of cached full blocks from the start
+  of a prompt, capped at ``prompt_len - 1`` tokens rounded down to whole
+  blocks (the last token is recomputed to get logits).
+* :func:`allocate_with_prefix` matches, *touches* the hit blocks (a block
+  with refcount 0 is first unlinked from the free queue, then counted) and
+  pops fresh blocks for the rest from the free-queue head. A popped block
+  that still carries a hash loses that identity first (identity eviction:
+  removed from the index, ``published`` cleared, one eviction counted).
+  The budget counts touched refcount-0 hits as vLLM's
+  ``get_num_blocks_to_allocate`` does: ``new + evictable_hits > num_free``
+  is ``OUT_OF_BLOCKS`` with the state unchanged.
+* :func:`publish` gives the sequence's full blocks their keys (``published``
+  set: they are read-only from then on; writes go through copy on write). A
+  key may name several blocks, as in vLLM (the same prompt computed twice,
+  or the recomputed last block of a fully cached prompt): the index maps the
+  key to the earliest-published block still present, and the others wait in
+  a per-key circular list (``dup_next`` / ``dup_prev``) in publication
+  order, so when that block is evicted the next one takes its place.
+  Call it when a block fills (early publishing, lets a concurrent wave
+  share) or once when the request finishes (late); the verb is the same.
+* :func:`append`, :func:`copy_on_write` and :func:`fork` wrap the paging
+  verbs; every block they pop loses its old identity first. Call these, not
+  the :mod:`prefixjax.cache.paging` verbs, on a cache's ``paging`` field.
+* :func:`release`: blocks reaching refcount 0 join the free queue in
+  reverse table order (the sequence's last block first). ``free_order``
+  (static, set at :func:`init`) picks vLLM's version: ``"append"`` (all at
+  the tail: vLLM <= 0.22, the paging core's release) or
+  ``"prepend_unhashed"`` (unhashed blocks at the head for LIFO reuse,
+  hashed ones at the tail: vLLM >= 0.23). Hashed blocks stay findable on
+  the free queue until reused.
+
+Eviction policy (static, :mod:`prefixjax.cache.policies`, set at :func:`init`).
+The default ``lru`` is vLLM's: the free queue *is* the eviction order (head
+= next victim), maintained incrementally, O(blocks touched). Every other
+policy scores blocks from per-block metadata in ``policy_state`` (``[N]``
+arrays), which the verbs update through the policy's hooks: ``on_touch``
+for the hit blocks in :func:`allocate_with_prefix`, ``on_publish`` for the
+blocks :func:`publish` gives a key, both at the request step ``clock`` and
+with the caller's optional ``next_use`` per block (``belady``). Blocks are
+then taken as follows: free blocks without a hash first, in queue order
+(such policies require ``free_order="prepend_unhashed"``, which keeps them
+at the queue head), and for the rest, one victim at a time, the free cached
+block with the lowest score (ties: the deepest block, i.e. the largest
+table column at publish, then the lowest id; found at the root of a
+tournament tree or by a masked reduction, see Cost); it loses its
+identity and leaves the queue (:func:`prefixjax.cache.paging.unlink_free`)
+before the ordinary pops take it.
+:func:`append` and :func:`copy_on_write` take blocks the same way. For
+``leaf_only`` policies (``lru_leaf``, ``belady_leaf``) the cache also keeps
+each cached block's parent (the block before it in the publishing table)
+and its number of cached children; only blocks without one are eligible
+(all free cached blocks if none is: a child pinned by a running sequence
+under a free parent).
+
+Cost: with ``lru`` every verb is O(M) lanes plus O(1) expected index probes
+per block touched, published or evicted; nothing scans the pool. ``fifo``
+and ``belady`` (``static_score``, not ``leaf_only``) add ``ceil(log32 N)``
+32-lane reductions per block hit, released or evicted (a tournament tree of
+the free cached blocks, :mod:`prefixjax.cache.victim_tree`; the victim is its
+root); the other scoring policies add an O(N) reduction per victim.
+Values read from the state pass through :func:`prefixjax.cache.paging.settle`
+before it is written (see there why).
+
+Dimensions: ``N`` blocks (including the null block 0), ``S`` sequence
+slots, ``M`` block-table columns, ``K`` block size, ``C`` index slots.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from prefixjax._masked import (
+  NO_BLOCK,
+  NULL_BLOCK,
+  compact,
+  gather,
+  get_row,
+  scatter,
+  set_row,
+)
+from prefixjax.cache import index as index_lib
+from prefixjax.cache import paging
+from prefixjax.cache import policies as policies_lib
+from prefixjax.cache.eviction import (
+  evict_popped,
+  link_parents,
+  promote_victims,
+  push_free_head,
+  refresh_tree,
+  touch,
+)
+from prefixjax.cache.paging import Status
+from prefixjax.cache.prefix_inspect import check_invariants, stats_dict
+from prefixjax.cache.prefix_state import (
+  FREE_ORDERS,
+  CacheStats,
+  MatchResult,
+  PrefixAllocateResult,
+  PrefixCacheState,
+  PublishResult,
+  add_stats,
+  init,
+  settle,
+  versioned,
+)
+from prefixjax.cache.prefix_state import check_state as check_state
+
+__all__ = [
+  "FREE_ORDERS",
+  "CacheStats",
+  "MatchResult",
+  "PrefixAllocateResult",
+  "PrefixCacheState",
+  "PublishResult",
+  "allocate_with_prefix",
+  "append",
+  "check_invariants",
+  "copy_on_write",
+  "fork",
+  "init",
+  "invalidate",
+  "match",
+  "num_pinned",
+  "publish",
+  "release",
+  "stats_dict",
+]
+
+
+# ---------------------------------------------------------------------------
+# Verbs (jitted; they take int32 scalars and ``[M, 2]`` keys).
+
+
+def _match_versioned(
+  state: PrefixCacheState, vkeys: jax.Array, num_prompt_tokens
+):
+  k, m = state.block_size, state.max_blocks_per_seq
+  max_hits = jnp.clip((num_prompt_tokens - 1) // k, 0, m)
+  lanes = jnp.arange(m) < max_hits
+  values = index_lib.lookup(state.index, vkeys, lanes)
+  run = jnp.cumprod((lanes & (values >= 0)).astype(jnp.int32)) > 0
+  num_hits = jnp.sum(run.astype(jnp.int32))
+  hits = jnp.where(run, values, NO_BLOCK)
+  return MatchResult(hits, num_hits, num_hits * k)
+
+
+def _seq_checks(state: PrefixCacheState, seq_id, want_active: bool):
+  return paging.seq_status(state.paging, seq_id, want_active)
+
+
+@jax.jit
+def match(state, block_keys, num_prompt_tokens):
+  """The longest run of cached full blocks from the start of a prompt.
+
+  Read only. The hit is capped at ``num_prompt_tokens - 1`` tokens rounded
+  down to whole blocks, so it never covers the whole prompt.
+
+  Args:
+    state: the cache.
+    block_keys: ``[M, 2]`` uint32 content keys of the prompt's blocks (from
+      :func:`prefixjax.cache.hashing.block_hashes`; the checked layer pads
+      or cuts ``[L, 2]`` to ``M`` rows).
+    num_prompt_tokens: int32 scalar ``P``.
+
+  Returns:
+    A :class:`MatchResult`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from prefixjax.cache import hashing, prefix_cache as pc
+    >>> s = pc.init(16, 4, max_seqs=2, max_blocks_per_seq=4)
+    >>> tokens = jnp.arange(16, dtype=jnp.int32)
+    >>> keys, _ = hashing.block_hashes(tokens, 16, block_size=4)
+    >>> s, _ = pc.allocate_with_prefix(s, 0, keys, 16)
+    >>> s, _ = pc.publish(s, 0, keys, 16)
+    >>> int(pc.match(s, keys, 16).hit_tokens)  # capped at 15 -> 3 blocks
+    12
+  """
+  return _match_versioned(
+    state, versioned(state, block_keys), num_prompt_tokens
+  )
+
+
+@jax.jit
+def allocate_with_prefix(
+  state, seq_id, block_keys, num_prompt_tokens, next_use=None
+):
+  """Starts ``seq_id`` on a prompt, reusing its cached prefix.
+
+  Matches (as :func:`match`), touches the hit blocks, then pops fresh blocks
+  for the remaining ``ceil(P / K) - hits`` blocks, evicting the identity of
+  any popped block that carries one. The sequence then holds ``P`` tokens.
+  Advances the request clock (``state.clock``) and runs the policy's
+  ``on_touch`` hook on the hit blocks. With a scoring policy (not ``lru``)
+  free blocks without a hash are used first and the rest are the policy's
+  victims (see :mod:`prefixjax.cache.policies`).
+
+  Args:
+    state: the cache.
+    seq_id: int32 scalar, a free sequence slot.
+    block_keys: ``[M, 2]`` uint32 content keys of the prompt's full blocks.
+    num_prompt_tokens: int32 scalar ``P >= 0``.
+    next_use: optional ``[M]`` int32 per block, passed to the policy hook
+      (``belady``: the step the block's key is next used; default
+      :data:`prefixjax.cache.policies.NEVER`).
+
+  Returns:
+    ``(new_state, PrefixAllocateResult)``. ``OUT_OF_BLOCKS`` when the fresh
+    blocks plus the refcount-0 hits exceed the free queue; on any non-OK
+    status the state is unchanged.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from prefixjax.cache import hashing, prefix_cache as pc
+    >>> s = pc.init(16, 4, max_seqs=2, max_blocks_per_seq=4)
+    >>> keys, _ = hashing.block_hashes(
+    ...     jnp.arange(16, dtype=jnp.int32), 16, block_size=4)
+    >>> s, r = pc.allocate_with_prefix(s, 0, keys, 14)
+    >>> r.new_blocks.tolist(), int(r.num_hit_blocks)
+    ([1, 2, 3, 4], 0)
+  """
+  k, m = state.block_size, state.max_blocks_per_seq
+  policy = state.policy
+  if next_use is None:
+    next_use = jnp.full((m,), policies_lib.NEVER, jnp.int32)
+  pstate = state.paging
+  hit = _match_versioned(state, versioned(state, block_keys), num_prompt_tokens)
+  total = paging.blocks_for(num_prompt_tokens, k)
+  num_new = jnp.maximum(total - hit.num_hit_blocks, 0)
+  lanes = jnp.arange(m)
+  evictable = jnp.sum(
+    (
+      (lanes < hit.num_hit_blocks)
+      & (gather(pstate.refcounts, hit.hit_blocks) == 0)
+    ).astype(jnp.int32)
+  )
+  status = paging.first_error(
+    *_seq_checks(state, seq_id, want_active=False),
+    (num_prompt_tokens < 0, Status.BAD_COUNT),
+    (total > m, Status.TABLE_OVERFLOW),
+    (num_new + evictable > pstate.num_free, Status.OUT_OF_BLOCKS),
+  )
+  status, hit, num_new = settle(state, status, hit, num_new)
+  ok = status == Status.OK
+  num_hits = jnp.where(ok, hit.num_hit_blocks, 0)
+  now = state.clock + ok.astype(jnp.int32)
+  policy_state = policy.on_touch(
+    state.policy_state, hit.hit_blocks, lanes < num_hits, now, next_use
+  )
+  state = state.replace(clock=now, policy_state=policy_state)
+  state = touch(state, hit.hit_blocks, num_hits)
+  num_victims = jnp.int32(0)
+  if policy.score is not None:
+    state, num_victims = promote_victims(state, num_new, ok)
+  pstate, new = paging.pop_free(state.paging, num_new, ok)
+  state = state.replace(paging=pstate)
+  state, num_evicted = evict_popped(state, new, jnp.where(ok, num_new, 0))
+  num_evicted = num_evicted + num_victims
+  row = jnp.where(
+    lanes < num_hits, hit.hit_blocks, gather(new, lanes - num_hits, NO_BLOCK)
+  )
+  row = jnp.where(row == NO_BLOCK, NULL_BLOCK, row)
+  pstate = state.paging
+  pstate = pstate.replace(
+    block_tables=set_row(pstate.block_tables, seq_id, row, ok),
+    num_tokens=scatter(pstate.num_tokens, seq_id[None], num_prompt_tokens, ok),
+    active=scatter(pstate.active, seq_id[None], True, ok),
+  )
+  state = state.replace(
+    seq_version=scatter(state.seq_version, seq_id[None], state.version, ok)
+  )
+  hit_tokens = num_hits * k
+  zero = jnp.int32(0)
+  stats = add_stats(
+    state.stats,
+    requests=ok.astype(jnp.int32),
+    hit_blocks=num_hits,
+    hit_tokens=hit_tokens,
+    miss_blocks=jnp.where(ok, num_new, zero),
+    miss_tokens=jnp.where(ok, num_prompt_tokens - hit_tokens, zero),
+  )
+  state = state.replace(paging=pstate, stats=stats)
+  hit_blocks = jnp.where(lanes < num_hits, hit.hit_blocks, NO_BLOCK)
+  return state, PrefixAllocateResult(
+    status,
+    hit_blocks,
+    num_hits,
+    hit_tokens,
+    new,
+    jnp.where(ok, num_new, 0),
+    num_evicted,
+  )
+
+
+def _append_need(state: PrefixCacheState, seq_id, num_new_tokens):
+  """Blocks :func:`prefixjax.cache.paging.append` will pop, and whether it will
+  succeed (its checks, repeated)."""
+  k, pstate = state.block_size, state.paging
+  tokens = gather(pstate.num_tokens, seq_id[None])[0]
+  total = tokens + num_new_tokens
+  count = paging.blocks_for(total, k) - paging.blocks_for(tokens, k)
+  copy = paging.last_block(pstate, seq_id)[-1] & (num_new_tokens > 0)
+  need = count + copy.astype(jnp.int32)
+  status = paging.first_error(
+    *_seq_checks(state, seq_id, want_active=True),
+    (num_new_tokens < 0, Status.BAD_COUNT),
+    (
+      paging.blocks_for(total, k) > state.max_blocks_per_seq,
+      Status.TABLE_OVERFLOW,
+    ),
+    (need > pstate.num_free, Status.OUT_OF_BLOCKS),
+  )
+  return settle(state, need, status == Status.OK)
+
+
+@jax.jit
+def append(state, seq_id, num_new_tokens):
+  """:func:`prefixjax.cache.paging.append` with identity eviction of new blocks.
+
+  Returns:
+    ``(new_state, prefixjax.cache.paging.AppendResult)``.
+  """
+  if state.policy.score is not None:
+    need, ok = _append_need(state, seq_id, num_new_tokens)
+    state, _ = promote_victims(state, need, ok)
+  pstate, r = paging.append(state.paging, seq_id, num_new_tokens)
+  state = state.replace(paging=pstate)
+  state, _ = evict_popped(state, r.dst, r.num_copies)
+  state, _ = evict_popped(state, r.new_blocks, r.num_new_blocks)
+  return state, r
+
+
+@jax.jit
+def copy_on_write(state, seq_id):
+  """:func:`prefixjax.cache.paging.copy_on_write` with identity eviction.
+
+  Returns:
+    ``(new_state, prefixjax.cache.paging.CopyResult)``.
+  """
+  if state.policy.score is not None:
+    needed = paging.last_block(state.paging, seq_id)[-1]
+    status = paging.first_error(
+      *_seq_checks(state, seq_id, want_active=True),
+      (needed & (state.paging.num_free < 1), Status.OUT_OF_BLOCKS),
+    )
+    needed, ok = settle(state, needed, status == Status.OK)
+    state, _ = promote_victims(state, needed.astype(jnp.int32), ok)
+  pstate, r = paging.copy_on_write(state.paging, seq_id)
+  state, _ = evict_popped(state.replace(paging=pstate), r.dst, r.num_copies)
+  return state, r
+
+
+@jax.jit
+def fork(state, parent_id, child_id):
+  """:func:`prefixjax.cache.paging.fork`; the child inherits the parent's
+  version.
+
+  Returns:
+    ``(new_state, status)``.
+  """
+  pstate, status = paging.fork(state.paging, parent_id, child_id)
+  parent_version = gather(state.seq_version, parent_id[None], 0)[0]
+  seq_version = scatter(
+    state.seq_version, child_id[None], parent_version, status == Status.OK
+  )
+  return state.replace(paging=pstate, seq_version=seq_version), status
+
+
+@jax.jit
+def publish(state, seq_id, block_keys, num_tokens, next_use=None):
+  """Gives the sequence's full blocks their keys and indexes them.
+
+  Blocks of columns ``0 .. min(num_tokens, held) // K - 1`` that are not
+  yet published get ``block_keys[i]`` (with the version the sequence
+  started under mixed in). A key
+  already in the index keeps pointing at its earliest-published block; the
+  new block joins that key's list behind it (as vLLM's
+  ``BlockHashToBlockMap``, no de-duplication).
+
+  Args:
+    state: the cache.
+    seq_id: int32 scalar, a live sequence.
+    block_keys: ``[M, 2]`` uint32 content keys of the sequence's blocks.
+    num_tokens: int32 scalar, tokens whose full blocks to publish.
+    next_use: optional ``[M]`` int32 per block, passed to the policy's
+      ``on_publish`` hook with the newly published blocks (see
+      :func:`allocate_with_prefix`).
+
+  Returns:
+    ``(new_state, PublishResult)``.
+  """
+  k, m = state.block_size, state.max_blocks_per_seq
+  if next_use is None:
+    next_use = jnp.full((m,), policies_lib.NEVER, jnp.int32)
+  version = gather(state.seq_version, seq_id[None], 0)[0]
+  vkeys = versioned(state, block_keys, version)
+  pstate = state.paging
+  held = gather(pstate.num_tokens, seq_id[None])[0]
+  row = get_row(pstate.block_tables, seq_id)
+  status = paging.first_error(
+    *_seq_checks(state, seq_id, want_active=True),
+    (num_tokens < 0, Status.BAD_COUNT),
+  )
+  full = jnp.clip(jnp.minimum(num_tokens, held) // k, 0, m)
+  full = jnp.where(status == Status.OK, full, 0)
+  done = gather(pstate.published, row, False)
+  # Published blocks form a prefix of the table unless the index refused
+  # one; start at the first unpublished column and skip published ones.
+  blocked = done | (jnp.arange(m) >= full)
+  first = jnp.argmin(blocked.astype(jnp.int32)).astype(jnp.int32)
+  first = jnp.where(blocked[first], full, first)
+  status, row, full, first = settle(state, status, row, full, first)
+
+  def body(c):
+    i, state, n_pub, n_drop, fresh = c
+    block = row[i]
+    key = vkeys[i]
+    skip = gather(state.paging.published, block[None], False)[0]
+    skip = settle(state, skip)[0]
+    idx, r = index_lib.insert(state.index, key, block, ~skip)
+    inserted = r.status == index_lib.IndexStatus.OK
+    present = r.status == index_lib.IndexStatus.PRESENT
+    dropped = r.status == index_lib.IndexStatus.PROBE_LIMIT
+    head = r.value
+    tail = gather(state.dup_prev, head[None], NO_BLOCK)[0]
+    tail = settle(state, tail)[0]
+    # Append to the key's circular list (present) or start one (inserted).
+    dup_next = scatter(
+      state.dup_next,
+      jnp.stack([tail, block]),
+      jnp.stack([block, head]),
+      present,
+    )
+    dup_prev = scatter(
+      state.dup_prev,
+      jnp.stack([block, head]),
+      jnp.stack([tail, block]),
+      present,
+    )
+    dup_next = scatter(dup_next, block[None], block, inserted)
+    dup_prev = scatter(dup_prev, block[None], block, inserted)
+    got = inserted | present
+    block_hash = state.block_hash.at[
+      jnp.where(got, block, state.num_blocks)
+    ].set(key, mode="drop")
+    pst = state.paging.replace(
+      published=scatter(state.paging.published, block[None], True, got)
+    )
+    one = got.astype(jnp.int32)
+    stats = state.stats.replace(num_cached=state.stats.num_cached + one)
+    stats = add_stats(stats, publish_dropped=dropped.astype(jnp.int32))
+    state = state.replace(
+      paging=pst,
+      index=idx,
+      block_hash=block_hash,
+      dup_next=dup_next,
+      dup_prev=dup_prev,
+      stats=stats,
+    )
+    return (
+      i + 1,
+      state,
+      n_pub + one,
+      n_drop + dropped.astype(jnp.int32),
+      fresh.at[i].set(got),
+    )
+
+  _, state, n_pub, n_drop, fresh = jax.lax.while_loop(
+    lambda c: c[0] < full,
+    body,
+    (first, state, jnp.int32(0), jnp.int32(0), jnp.zeros((m,), jnp.bool_)),
+  )
+  if state.policy.leaf_only:
+    state = link_parents(state, row, fresh)
+  if state.policy.score is not None:
+    state = state.replace(
+      block_depth=scatter(
+        state.block_depth, row, jnp.arange(m, dtype=jnp.int32), fresh
+      )
+    )
+  policy_state = state.policy.on_publish(
+    state.policy_state, row, fresh, state.clock, next_use
+  )
+  state = state.replace(policy_state=policy_state)
+  return state, PublishResult(status, n_pub, n_drop)
+
+
+def _release_prepend_unhashed(state: PrefixCacheState, seq_id):
+  """Release with vLLM >= 0.23's order: in reverse table order, unhashed
+  freed blocks go to the queue head (``prepend_n``), hashed ones to the
+  tail (``append_n``)."""
+  pstate = state.paging
+  status = paging.first_error(*_seq_checks(state, seq_id, want_active=True))
+  ok = status == Status.OK
+  row = get_row(pstate.block_tables, seq_id)
+  tokens = gather(pstate.num_tokens, seq_id[None])[0]
+  m = state.max_blocks_per_seq
+  lanes = ok & (jnp.arange(m) < paging.blocks_for(tokens, state.block_size))
+  rev, rev_lanes = row[::-1], lanes[::-1]
+  new_counts = gather(pstate.refcounts, rev) - 1
+  hashed = gather(state.dup_next, rev, NO_BLOCK) != NO_BLOCK
+  status, ok, row, rev, rev_lanes, new_counts, hashed = settle(
+    state, status, ok, row, rev, rev_lanes, new_counts, hashed
+  )
+  freed = rev_lanes & (new_counts == 0)
+  pstate = pstate.replace(
+    refcounts=scatter(pstate.refcounts, rev, new_counts, rev_lanes)
+  )
+  to_tail, n_tail = compact(rev, freed & hashed)
+  to_head, n_head = compact(rev, freed & ~hashed)
+  pstate = paging.push_free_tail(pstate, to_tail, n_tail)
+  pstate = push_free_head(pstate, to_head, n_head)
+  pstate = pstate.replace(
+    block_tables=set_row(pstate.block_tables, seq_id, jnp.zeros_like(row), ok),
+    num_tokens=scatter(pstate.num_tokens, seq_id[None], 0, ok),
+    active=scatter(pstate.active, seq_id[None], False, ok),
+  )
+  all_freed, num_freed = compact(rev, freed)
+  stats = state.stats.replace(
+    num_cached_free=state.stats.num_cached_free + n_tail
+  )
+  result = paging.ReleaseResult(status, all_freed, num_freed)
+  state = state.replace(paging=pstate, stats=stats)
+  return refresh_tree(state, to_tail, jnp.arange(m) < n_tail), result
+
+
+@jax.jit
+def release(state, seq_id):
+  """Ends a sequence; blocks reaching refcount 0 join the free queue.
+
+  With ``free_order="append"`` this is :func:`prefixjax.cache.paging.release`
+  (all at the tail, last block first); with ``"prepend_unhashed"`` the
+  unhashed ones go to the head instead. Hashed blocks stay findable until
+  reused.
+
+  Returns:
+    ``(new_state, prefixjax.cache.paging.ReleaseResult)``.
+  """
+  if state.free_order == "prepend_unhashed":
+    return _release_prepend_unhashed(state, seq_id)
+  pstate, r = paging.release(state.paging, seq_id)
+  lanes = jnp.arange(r.freed_blocks.shape[0]) < r.num_freed
+  hashed = lanes & (gather(state.dup_next, r.freed_blocks, NO_BLOCK) >= 0)
+  stats = state.stats.replace(
+    num_cached_free=state.stats.num_cached_free
+    + jnp.sum(hashed.astype(jnp.int32))
+  )
+  state = state.replace(paging=pstate, stats=stats)
+  return refresh_tree(state, r.freed_blocks, hashed), r
+
+
+@jax.jit
+def invalidate(state):
+  """Bumps the version word: every earlier block becomes unmatchable, O(1).
+
+  Old blocks keep their old-version identity (and their place in the free
+  queue) until the allocator reuses them.
+
+  Returns:
+    ``(new_state, version)`` with ``version`` the new ``[]`` uint32.
+  """
+  version = state.version + jnp.uint32(1)
+  return state.replace(version=version), version
+
+
+# ---------------------------------------------------------------------------
+# Counters.
+
+
+def num_pinned(state: PrefixCacheState) -> jax.Array:
+  """``[]`` int32 blocks held by running sequences (refcount > 0), O(1).
+
+  Jittable and vmappable; with ``stats.num_cached`` and
+  ``stats.num_cached_free`` it gives SGLang's protected / evictable sizes.
+  """
+  return jnp.int32(state.num_blocks - 1) - state.paging.num_free

@@ -1,0 +1,330 @@
+"""The replay frame: one shape for every replay engine, timing returned.
+
+An engine is a :class:`ReplayEngine`, a ``NamedTuple`` of three functions
+and two declarations (the style of :class:`prefixjax.cache.policies.
+EvictionPolicy`):
+
+* ``prepare(source, capacities, **options) -> Prepared``: host side, once
+  per call. Validates what the engine needs, lays the trace out as arrays
+  and fixes the static sizes of the compiled program.
+* ``run(arrays, capacity, **static) -> outputs``: pure, jittable and
+  vmappable, no timing and no host work inside. What ``capacity`` is
+  depends on the engine's :class:`Batching`.
+* ``points(prepared, capacities, outputs) -> list[ReplayPoint]``: host
+  side, the results of the requested capacities.
+
+:func:`execute` is the only place that compiles and times an engine: it
+lowers ``run`` for the prepared shapes (kept in a small in-process cache,
+so a second call with the same shapes does not compile again), runs it
+and returns the points with a :class:`Timing`. A sweep runner can group
+points by ``(engine, Prepared.shape_key)`` and choose how to spread them
+from :attr:`ReplayEngine.batching` without knowing any engine.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import functools
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+  "Batching",
+  "Prepared",
+  "ReplayEngine",
+  "ReplayPoint",
+  "ReplayResult",
+  "Timing",
+  "check_capacities",
+  "check_warmup_fraction",
+  "compile_and_run",
+  "execute",
+  "points_of_requests",
+  "warmup_requests",
+]
+
+
+class Batching(enum.Enum):
+  """How one compiled run of an engine serves several capacities."""
+
+  ONE_PASS = "one_pass"
+  """``run(arrays)``: one pass gives the answer for every capacity (a stack
+  algorithm); ``points`` reads each capacity off the outputs."""
+  COLUMNS = "columns"
+  """``run(arrays, capacities)`` with ``capacities`` ``[C]`` int32: every
+  capacity is a column of the state, one program for all of them."""
+  PER_CAPACITY = "per_capacity"
+  """``run(arrays, capacity)`` with ``capacity`` an int32 scalar: one
+  capacity per run (the frame runs them one after another; ``jax.vmap``
+  over ``capacity`` also works)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayPoint:
+  """One (policy, capacity) result.
+
+  Attributes:
+    policy: our policy name.
+    capacity_blocks: cache capacity in blocks.
+    block_size: tokens per block.
+    hit_tokens: hit tokens over the measured requests (0 if underfilled).
+    total_tokens: tokens of the measured requests.
+    measured_requests: requests in the measured window.
+    underfilled: the cache never became full during warm-up.
+    per_request_hit_tokens: ``[R]`` int64 hit tokens of every request of the
+      original trace (warm-up included, computed even when underfilled).
+  """
+
+  policy: str
+  capacity_blocks: int
+  block_size: int
+  hit_tokens: int
+  total_tokens: int
+  measured_requests: int
+  underfilled: bool
+  per_request_hit_tokens: np.ndarray
+
+  @property
+  def hit_rate(self) -> float:
+    return self.hit_tokens / self.total_tokens if self.total_tokens else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """Seconds spent compiling and running (compile is 0 on a cache hit)."""
+
+  compile_s: float = 0.0
+  run_s: float = 0.0
+
+  def __add__(self, other: Timing) -> Timing:
+    return Timing(self.compile_s + other.compile_s, self.run_s + other.run_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayResult(Sequence):
+  """The points of one replay call, in the order of its capacities, and
+  what they cost. Behaves as a sequence of :class:`ReplayPoint`.
+
+  Attributes:
+    points: one per requested capacity.
+    timing: compile and run time of the engines that produced them.
+    engines: the engine of each point (by name).
+  """
+
+  points: tuple[ReplayPoint, ...]
+  timing: Timing = Timing()
+  engines: tuple[str, ...] = ()
+
+  def __len__(self) -> int:
+    return len(self.points)
+
+  def __getitem__(self, i):
+    return self.points[i]
+
+  def __iter__(self) -> Iterator[ReplayPoint]:
+    return iter(self.points)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+  """What an engine's ``prepare`` returns.
+
+  Attributes:
+    arrays: pytree of arrays, ``run``'s first argument.
+    capacities: ``[C]`` int32 capacities as ``run`` receives them (an
+      engine may clip them: a capacity past the trace's distinct blocks
+      behaves like it).
+    static: ``run``'s static keyword arguments (hashable values); with the
+      arrays' shapes they fix the compiled program.
+    context: host data that ``points`` needs (a plan, the trace, ...).
+  """
+
+  arrays: Any
+  capacities: np.ndarray
+  static: dict = dataclasses.field(default_factory=dict)
+  context: Any = None
+
+  @property
+  def shape_key(self) -> tuple:
+    """Equal for two preparations that share one compiled program."""
+    avals = jax.tree.map(
+      lambda a: (tuple(np.shape(a)), str(getattr(a, "dtype", type(a)))),
+      self.arrays,
+    )
+    leaves, tree = jax.tree.flatten(avals, is_leaf=_is_aval)
+    return (tree, tuple(leaves), tuple(sorted(self.static.items())))
+
+
+def _is_aval(x) -> bool:
+  return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], str)
+
+
+class ReplayEngine(NamedTuple):
+  """A replay engine (see the module docstring for the protocol).
+
+  Attributes:
+    name: unique name (``"kvcache_sim.stack"``, ``"vllm"``, ...).
+    semantics: ``"kvcache-sim"``, ``"vllm"`` or ``"sglang"``.
+    policies: policy names it serves.
+    batching: how one run serves several capacities.
+    prepare: host side, ``(source, capacities, **options) -> Prepared``.
+    run: pure, ``(arrays, capacity, **static) -> outputs``.
+    points: host side, ``(prepared, capacities, outputs) -> points``.
+  """
+
+  name: str
+  semantics: str
+  policies: tuple[str, ...]
+  batching: Batching
+  prepare: Callable[..., Prepared]
+  run: Callable[..., Any]
+  points: Callable[..., list[ReplayPoint]]
+
+
+# Compiled programs of this process, by engine and shapes: a second call
+# with the same shapes (another policy's capacities, the CLI's per-capacity
+# loop) does not compile again. Bounded, least recently used out first.
+_COMPILED: collections.OrderedDict = collections.OrderedDict()
+_MAX_COMPILED = 16
+
+
+@functools.cache
+def _jitted(run: Callable, static_names: tuple[str, ...]):
+  return jax.jit(run, static_argnames=static_names)
+
+
+def _capacity_spec(engine: ReplayEngine, prepared: Prepared):
+  if engine.batching is Batching.ONE_PASS:
+    return ()
+  if engine.batching is Batching.COLUMNS:
+    return (jax.ShapeDtypeStruct(prepared.capacities.shape, jnp.int32),)
+  return (jax.ShapeDtypeStruct((), jnp.int32),)
+
+
+def _compile(engine: ReplayEngine, prepared: Prepared):
+  """The compiled ``run`` for these shapes and the seconds it took."""
+  batching_key = (
+    prepared.capacities.shape if engine.batching is Batching.COLUMNS else ()
+  )
+  key = (engine.name, engine.run, prepared.shape_key, batching_key)
+  if key in _COMPILED:
+    _COMPILED.move_to_end(key)
+    return _COMPILED[key], 0.0
+  start = time.perf_counter()
+  fn = _jitted(engine.run, tuple(sorted(prepared.static)))
+  compiled = fn.lower(
+    prepared.arrays, *_capacity_spec(engine, prepared), **prepared.static
+  ).compile()
+  seconds = time.perf_counter() - start
+  _COMPILED[key] = compiled
+  while len(_COMPILED) > _MAX_COMPILED:
+    _COMPILED.popitem(last=False)
+  return compiled, seconds
+
+
+def execute(
+  engine: ReplayEngine, prepared: Prepared, capacities: Sequence[int]
+) -> ReplayResult:
+  """Compiles (or reuses) and runs ``engine`` on ``prepared``.
+
+  Args:
+    engine: the strategy.
+    prepared: from ``engine.prepare`` for these ``capacities``.
+    capacities: the capacities asked for, in order (``points`` labels the
+      results with them).
+
+  Returns:
+    The engine's points with their :class:`Timing`.
+  """
+  outputs, timing = compile_and_run(engine, prepared)
+  points = engine.points(prepared, list(capacities), outputs)
+  return ReplayResult(tuple(points), timing, (engine.name,) * len(points))
+
+
+def compile_and_run(engine: ReplayEngine, prepared: Prepared):
+  """``engine.run`` on ``prepared``, compiled (or reused) and run to
+  completion; returns its outputs as numpy arrays (a leading ``[C]`` axis
+  for ``PER_CAPACITY`` engines) and the :class:`Timing`."""
+  compiled, compile_s = _compile(engine, prepared)
+  caps = jnp.asarray(prepared.capacities, jnp.int32)
+  start = time.perf_counter()
+  if engine.batching is Batching.ONE_PASS:
+    outputs = compiled(prepared.arrays)
+  elif engine.batching is Batching.COLUMNS:
+    outputs = compiled(prepared.arrays, caps)
+  else:
+    each = [compiled(prepared.arrays, c) for c in caps]
+    outputs = jax.tree.map(lambda *x: jnp.stack(x), *each)
+  outputs = jax.tree.map(np.asarray, jax.block_until_ready(outputs))
+  return outputs, Timing(compile_s, time.perf_counter() - start)
+
+
+# ---------------------------------------------------------------------------
+# Shared argument rules and result building.
+
+
+def check_capacities(capacities, *, minimum: int = 0) -> list[int]:
+  """Capacities as Python ints; ``ValueError`` if empty or below
+  ``minimum``, ``TypeError`` if not integers."""
+  if isinstance(capacities, int | np.integer):
+    raise TypeError(f"capacities={capacities!r} must be a sequence of ints")
+  capacities = list(capacities)
+  if not capacities:
+    raise ValueError("capacities must not be empty")
+  for c in capacities:
+    if isinstance(c, bool) or not isinstance(c, int | np.integer):
+      raise TypeError(f"capacity={c!r} must be an int")
+  capacities = [int(c) for c in capacities]
+  if min(capacities) < minimum:
+    raise ValueError(f"capacities={capacities} must be >= {minimum}")
+  if max(capacities) >= 2**31 - 1:
+    raise ValueError(f"capacity={max(capacities)} does not fit in int32")
+  return capacities
+
+
+def check_warmup_fraction(warmup_fraction) -> float:
+  if not 0.0 <= warmup_fraction <= 1.0:
+    raise ValueError(f"warmup_fraction={warmup_fraction} must be in [0, 1]")
+  return float(warmup_fraction)
+
+
+def warmup_requests(num_requests: int, warmup_fraction: float) -> int:
+  """Requests before the measured window: ``floor(R * warmup_fraction)``
+  (kvcache-simulator's rule, used by every semantics)."""
+  return math.floor(num_requests * warmup_fraction)
+
+
+def points_of_requests(
+  policy: str,
+  capacities: Sequence[int],
+  block_size: int,
+  per_request_hits: np.ndarray,
+  prompt_lens: np.ndarray,
+  warmup_fraction: float,
+) -> list[ReplayPoint]:
+  """Points from ``[C, R]`` hit tokens per request (the serving
+  semantics: every request kept, never underfilled)."""
+  warmup = warmup_requests(len(prompt_lens), warmup_fraction)
+  total_tokens = int(np.asarray(prompt_lens, np.int64)[warmup:].sum())
+  hits = np.asarray(per_request_hits, np.int64)
+  return [
+    ReplayPoint(
+      policy=policy,
+      capacity_blocks=int(capacity),
+      block_size=int(block_size),
+      hit_tokens=int(hits[c, warmup:].sum()),
+      total_tokens=total_tokens,
+      measured_requests=len(prompt_lens) - warmup,
+      underfilled=False,
+      per_request_hit_tokens=hits[c],
+    )
+    for c, capacity in enumerate(capacities)
+  ]

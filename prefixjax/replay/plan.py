@@ -1,0 +1,278 @@
+"""Replay plans: a trace laid out once, on the host, for the engines.
+
+A :class:`ReplayPlan` is the kvcache-simulator view of a trace: every block
+of every kept request as a flat event, its trie node (a block's identity
+is its whole prefix, numbered by :class:`prefixjax.workloads.
+PrefixNumbering`), its token weight and the next request that uses it.
+:func:`plan_trace` builds it from any :class:`~prefixjax.workloads.Trace`
+(hash ids, token ids, or lengths only); :func:`prepare_replay` from
+per-request id rows. The points helpers turn per-event or per-request hits
+into :class:`~prefixjax.replay.frame.ReplayPoint` s with the window and
+underfill rules of kvcache-simulator 0.1.3, and :func:`replay_ceiling` is
+the unbounded cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from prefixjax.replay.frame import (
+  ReplayPoint,
+  check_warmup_fraction,
+  warmup_requests,
+)
+from prefixjax.workloads import PrefixNumbering, Trace
+
+__all__ = [
+  "ReplayPlan",
+  "plan_trace",
+  "points_of_events",
+  "points_of_kept",
+  "prepare_replay",
+  "replay_ceiling",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayPlan:
+  """A trace prepared for replay: flat block events on the host.
+
+  Attributes:
+    node: ``[E]`` int32 trie node of each block event (1-based; 0 = root).
+    parent: ``[V]`` int32 parent node of every node (``parent[0] = 0``).
+    weight: ``[E]`` int32 tokens of each block.
+    next_use: ``[E]`` int32 index of the next kept request using the same
+      node, or ``num_kept + 1`` if none.
+    first: ``[E]`` bool, the event is the first block of its request.
+    request: ``[E]`` int32 kept-request index of each event.
+    kept: ``[R_kept]`` int64 original index of each kept request.
+    num_requests: requests in the original trace.
+    warmup_requests: kept requests before the measured window.
+    block_size: tokens per block.
+  """
+
+  node: np.ndarray  # [E] int32
+  parent: np.ndarray  # [V] int32
+  weight: np.ndarray  # [E] int32
+  next_use: np.ndarray  # [E] int32
+  first: np.ndarray  # [E] bool
+  request: np.ndarray  # [E] int32
+  kept: np.ndarray  # [R_kept] int64
+  num_requests: int
+  warmup_requests: int
+  block_size: int
+
+  @property
+  def num_events(self) -> int:
+    return int(self.node.shape[0])
+
+  @property
+  def num_kept(self) -> int:
+    return int(self.kept.shape[0])
+
+  @property
+  def unique_blocks(self) -> int:
+    """Distinct trie nodes (kvcache-simulator's ``uniqueBlocks``)."""
+    return int(self.parent.shape[0]) - 1
+
+  @property
+  def measured_tokens(self) -> int:
+    measured = self.request >= self.warmup_requests
+    return int(self.weight[measured].astype(np.int64).sum())
+
+  @property
+  def measured_requests(self) -> int:
+    return self.num_kept - self.warmup_requests
+
+
+def prepare_replay(
+  hash_ids: Sequence[Sequence[int]],
+  input_lengths: Sequence[int],
+  *,
+  block_size: int,
+  warmup_fraction: float = 0.5,
+) -> ReplayPlan:
+  """Numbers trie nodes and lays a trace out as flat block events.
+
+  Args:
+    hash_ids: per request, its chained per-block ids (Mooncake
+      ``hash_ids``, or ``Trace.block_hash_ids(block_size)``).
+    input_lengths: per request, prompt tokens.
+    block_size: tokens per block (for the token weight of each block).
+    warmup_fraction: share of the kept requests before the measured window,
+      in ``[0, 1]``.
+
+  Returns:
+    A :class:`ReplayPlan`.
+
+  Raises:
+    ValueError: mismatched lengths, a bad ``block_size`` or
+      ``warmup_fraction``, blocks with ``input_length <= 0``, or a trace
+      with no blocks at all.
+  """
+  if len(hash_ids) != len(input_lengths):
+    raise ValueError(
+      f"{len(hash_ids)} hash-id rows but {len(input_lengths)} input lengths"
+    )
+  if isinstance(block_size, bool) or not isinstance(block_size, int):
+    raise TypeError(f"block_size={block_size!r} must be an int")
+  if block_size < 1:
+    raise ValueError(f"block_size={block_size} must be >= 1")
+  check_warmup_fraction(warmup_fraction)
+  numbering = PrefixNumbering()
+  nodes: list[int] = []
+  weights: list[int] = []
+  firsts: list[bool] = []
+  requests: list[int] = []
+  kept: list[int] = []
+  for index, (ids, length) in enumerate(
+    zip(hash_ids, input_lengths, strict=True)
+  ):
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    if not ids:
+      continue
+    length = int(length)
+    if length <= 0:
+      raise ValueError(
+        f"request {index} has {len(ids)} blocks but input_length={length}"
+      )
+    node = 0
+    for j, hash_id in enumerate(ids):
+      node = numbering.child(node, int(hash_id))
+      nodes.append(node)
+      remaining = length - j * block_size
+      weights.append(min(block_size, remaining) if remaining > 0 else 1)
+      firsts.append(j == 0)
+      requests.append(len(kept))
+    kept.append(index)
+  if not kept:
+    raise ValueError("the trace has no blocks to replay")
+  node_arr = np.asarray(nodes, np.int32)
+  request_arr = np.asarray(requests, np.int32)
+  # Next use of each event's node: the next kept request containing it.
+  never = len(kept) + 1
+  next_use = np.full(node_arr.shape, never, np.int32)
+  order = np.lexsort((request_arr, node_arr))  # by node, then request
+  same = node_arr[order][1:] == node_arr[order][:-1]
+  later = np.where(same, request_arr[order][1:], never)
+  next_use[order[:-1]] = later
+  return ReplayPlan(
+    node=node_arr,
+    parent=np.asarray(numbering.parent, np.int32),
+    weight=np.asarray(weights, np.int32),
+    next_use=next_use,
+    first=np.asarray(firsts, bool),
+    request=request_arr,
+    kept=np.asarray(kept, np.int64),
+    num_requests=len(hash_ids),
+    warmup_requests=warmup_requests(len(kept), warmup_fraction),
+    block_size=block_size,
+  )
+
+
+def plan_trace(
+  trace: Trace, *, block_size: int | None = None, warmup_fraction: float = 0.5
+) -> ReplayPlan:
+  """The :class:`ReplayPlan` of a trace.
+
+  A hash-id trace (Mooncake) is replayed by its ids at its own hash block
+  size; a token-id trace by :meth:`Trace.block_hash_ids` at ``block_size``
+  (default 16); a length-only trace as blocks that are all distinct (it
+  carries no prefix information, so nothing can hit).
+
+  Raises:
+    ValueError: ``block_size`` differs from a hash-id trace's.
+  """
+  if trace.has_hash_ids:
+    if block_size is not None and block_size != trace.hash_block_size:
+      raise ValueError(
+        f"block_size={block_size} differs from the hash block size "
+        f"{trace.hash_block_size} of trace {trace.name!r}: hash ids name "
+        "blocks of that size only"
+      )
+    block_size = trace.hash_block_size
+    hash_ids = trace.hash_ids
+  elif trace.has_token_ids:
+    block_size = block_size or 16
+    hash_ids = trace.block_hash_ids(block_size)
+  else:
+    block_size = block_size or 16
+    hash_ids = [
+      np.arange(-(-int(n) // block_size)) + (i << 32)
+      for i, n in enumerate(trace.input_lengths)
+    ]
+  return prepare_replay(
+    hash_ids,
+    trace.input_lengths,
+    block_size=block_size,
+    warmup_fraction=warmup_fraction,
+  )
+
+
+def points_of_events(plan, policy, capacity, event_hits, filled) -> ReplayPoint:
+  """The point of ``[E]`` hit tokens per block event."""
+  per_kept = np.zeros(plan.num_kept, np.int64)
+  np.add.at(per_kept, plan.request, event_hits)
+  return points_of_kept(plan, policy, capacity, per_kept, filled)
+
+
+def points_of_kept(plan, policy, capacity, per_kept, filled) -> ReplayPoint:
+  """The point of ``[R_kept]`` hit tokens per kept request: counted over
+  the measured window; 0 for no cache or a cache that never filled in
+  warm-up (kvcache-simulator's underfill rule)."""
+  per_request = np.zeros(plan.num_requests, np.int64)
+  per_request[plan.kept] = per_kept
+  total = plan.measured_tokens
+  measured = int(per_kept[plan.warmup_requests :].sum())
+  no_cache = capacity <= 0
+  underfilled = not no_cache and (not filled or total <= 0)
+  return ReplayPoint(
+    policy=policy,
+    capacity_blocks=capacity,
+    block_size=plan.block_size,
+    hit_tokens=0 if (underfilled or no_cache) else measured,
+    total_tokens=total,
+    measured_requests=plan.measured_requests,
+    underfilled=underfilled,
+    per_request_hit_tokens=per_request,
+  )
+
+
+def clip_capacities(plan: ReplayPlan, capacities) -> np.ndarray:
+  """``[C]`` int32 capacities clipped to the trie's nodes + 1 (a larger
+  capacity behaves like it)."""
+  return np.minimum(np.asarray(capacities), plan.unique_blocks + 1).astype(
+    np.int32
+  )
+
+
+def replay_ceiling(plan: ReplayPlan) -> ReplayPoint:
+  """The unbounded cache: every block ever seen stays cached.
+
+  Host-side numpy (no eviction, so it is a pure function of first
+  appearances): a request's hit is its run of blocks seen earlier. Reported
+  over the measured window, never underfilled.
+  """
+  seen_before = np.zeros(plan.num_events, bool)
+  first_seen = np.full(plan.unique_blocks + 1, np.iinfo(np.int32).max)
+  np.minimum.at(first_seen, plan.node, plan.request)
+  seen_before = first_seen[plan.node] < plan.request
+  # The run from each request's start: a cumulative AND within the request.
+  starts = np.flatnonzero(plan.first)
+  missed = (~seen_before).astype(np.int64)
+  run_break = np.cumsum(missed)
+  base = np.repeat(
+    run_break[starts] - missed[starts], np.diff(np.r_[starts, plan.num_events])
+  )
+  in_run = run_break == base
+  event_hits = np.where(in_run, plan.weight, 0)
+  point = points_of_events(
+    plan, "ceiling", plan.unique_blocks, event_hits, True
+  )
+  measured = int(
+    event_hits[plan.request >= plan.warmup_requests].astype(np.int64).sum()
+  )
+  return dataclasses.replace(point, hit_tokens=measured, underfilled=False)
