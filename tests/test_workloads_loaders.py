@@ -488,3 +488,38 @@ def test_traces_dir_can_be_overridden(tmp_path, monkeypatch):
   assert shared_trace("absent.jsonl") is None
   (tmp_path / "present.jsonl").write_text("{}\n")
   assert shared_trace("present.jsonl") == tmp_path / "present.jsonl"
+
+
+def test_a_directory_is_named_as_one(tmp_path):
+  with pytest.raises(IsADirectoryError, match="is a directory, not a file"):
+    load_trace(tmp_path)
+
+
+def test_gzip_content_is_read_whatever_the_file_is_called(tmp_path, rng):
+  lengths = rng.integers(1, 3000, size=int(rng.integers(2, 9))).tolist()
+  lines = _jsonl([_mooncake_record(input_length=n) for n in lengths])
+  path = tmp_path / "trace.jsonl"  # gzip bytes, no .gz suffix
+  path.write_bytes(gzip.compress("".join(x + "\n" for x in lines).encode()))
+  assert load_trace(path).input_lengths.tolist() == lengths
+
+
+def test_binary_content_is_refused_with_the_path(tmp_path, rng):
+  path = tmp_path / "trace.jsonl"
+  junk = rng.integers(128, 256, size=64).astype(np.uint8).tobytes()
+  path.write_bytes(b'{"timestamp": 0, ' + junk)
+  with pytest.raises(TraceFormatError, match=r"trace\.jsonl: not UTF-8 text"):
+    load_trace(path)
+
+
+def test_a_block_size_that_does_not_match_mooncake_is_named(tmp_path, rng):
+  path = _write(
+    tmp_path,
+    "m.jsonl",
+    _jsonl([_mooncake_record(input_length=int(rng.integers(2000, 9000)))]),
+  )
+  bad = int(rng.integers(2, 300))  # always a different block count
+  with pytest.raises(
+    TraceFormatError,
+    match=rf"m\.jsonl:1: .*the block size {bad} does not match the trace's",
+  ):
+    load_trace(path, block_size=bad)

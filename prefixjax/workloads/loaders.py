@@ -69,9 +69,32 @@ PathLike = str | os.PathLike
 
 
 # -- shared helpers ------------------------------------------------------------
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
 def _open_text(path: Path) -> TextIO:
-  if path.suffix == ".gz":
+  """The file as text: gzip content is read through gzip whatever the
+  name; other content must be UTF-8 text (checked on its first 4 KiB, so a
+  binary file is named here instead of failing mid-parse)."""
+  with path.open("rb") as raw:
+    head = raw.read(4096)
+  if head.startswith(_GZIP_MAGIC):
     return gzip.open(path, "rt", encoding="utf-8", newline="")
+  try:
+    head.decode("utf-8")
+  except UnicodeDecodeError as error:
+    # A multi-byte character cut at the end of the sample is fine.
+    if error.start < len(head) - 3 or len(head) < 4096:
+      raise TraceFormatError(
+        f"{path}: not UTF-8 text (byte {error.start} is "
+        f"{head[error.start : error.start + 1]!r}): a trace is JSONL or CSV "
+        "text, optionally gzip-compressed"
+      ) from None
+  if b"\x00" in head:
+    raise TraceFormatError(
+      f"{path}: binary content (a NUL byte in its first 4 KiB): a trace is "
+      "JSONL or CSV text, optionally gzip-compressed"
+    )
   return path.open("r", encoding="utf-8", newline="")
 
 
@@ -230,6 +253,10 @@ def _trace_name(path: Path) -> str:
 
 def _as_path(path: PathLike) -> Path:
   path = Path(path)
+  if path.is_dir():
+    raise IsADirectoryError(
+      f"trace path is a directory, not a file: {path} (pass one trace file)"
+    )
   if not path.is_file():
     raise FileNotFoundError(f"trace file not found: {path}")
   return path
@@ -294,10 +321,19 @@ def load_mooncake(
     records.int_list(line_no, "hash_ids", ids, -(2**63), _INT64_MAX)
     expected = -(-input_length // block_size)
     if len(ids) != expected:
+      hint = ""
+      fits = -(-input_length // DEFAULT_MOONCAKE_BLOCK_SIZE) == len(ids)
+      if block_size != DEFAULT_MOONCAKE_BLOCK_SIZE and fits:
+        hint = (
+          f": the block size {block_size} does not match the trace's (its "
+          f"hash ids fit {DEFAULT_MOONCAKE_BLOCK_SIZE} tokens a block, "
+          "Mooncake's; omit the block size or pass "
+          f"{DEFAULT_MOONCAKE_BLOCK_SIZE})"
+        )
       raise records.error(
         line_no,
         f"len(hash_ids) = {len(ids)} but input_length = {input_length} "
-        f"needs ceil({input_length} / {block_size}) = {expected} blocks",
+        f"needs ceil({input_length} / {block_size}) = {expected} blocks" + hint,
       )
     times.append(timestamp / 1000.0)
     inputs.append(input_length)
