@@ -44,6 +44,7 @@ from prefixjax.cache import (
   release,
   slot_mapping,
 )
+from prefixjax.compile_cache import enable_compile_cache
 from prefixjax.workloads import (
   Trace,
   TraceFormatError,
@@ -92,6 +93,7 @@ __all__ = [
   "checked",
   "copy_on_write",
   "default_workload",
+  "enable_compile_cache",
   "fork",
   "generate_workload",
   "init_paging",

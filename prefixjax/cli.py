@@ -45,6 +45,31 @@ def _add_debug(parser) -> None:
   )
 
 
+def _add_compile_cache(parser) -> None:
+  group = parser.add_mutually_exclusive_group()
+  group.add_argument(
+    "--compile-cache",
+    metavar="DIR",
+    default=None,
+    help="folder of JAX's persistent compilation cache (default: "
+    "$PREFIXJAX_COMPILE_CACHE, else ~/.cache/prefixjax/jax); a second run "
+    "with the same shapes loads its programs instead of compiling",
+  )
+  group.add_argument(
+    "--no-compile-cache",
+    dest="compile_cache",
+    action="store_const",
+    const="off",
+    help="compile afresh, keep nothing on disk",
+  )
+
+
+def _use_compile_cache(args) -> None:
+  from prefixjax.compile_cache import enable_compile_cache
+
+  enable_compile_cache(args.compile_cache)
+
+
 def _add_demo(subparsers) -> None:
   p = subparsers.add_parser(
     "demo",
@@ -74,12 +99,15 @@ def _add_demo(subparsers) -> None:
     help="KV pool size in tokens (blocks = pool_tokens // block_size + 1)",
   )
   p.add_argument("--json", metavar="OUT", help="also write results as JSON")
+  _add_compile_cache(p)
   _add_debug(p)
   p.set_defaults(func=_cmd_demo)
 
 
 def _cmd_demo(args) -> int:
   import dataclasses
+
+  _use_compile_cache(args)
 
   import jax
 
@@ -208,6 +236,7 @@ def _add_replay(subparsers) -> None:
     metavar="PNG",
     help="also plot hit rate against capacity (needs prefixjax[plot])",
   )
+  _add_compile_cache(p)
   _add_debug(p)
   p.set_defaults(func=_cmd_replay)
 
@@ -283,13 +312,14 @@ def _cmd_replay(args) -> int:
   import time
 
   _set_cpu_threads(args.cpu_threads)
+  _check_replay_args(args)
+  _use_compile_cache(args)
 
   import jax
 
   from prefixjax import replay as rp
   from prefixjax.workloads import default_workload, load_trace
 
-  _check_replay_args(args)
   start = time.perf_counter()
   if args.trace:
     trace = load_trace(

@@ -9,6 +9,9 @@ import os
 
 # Several fake CPU devices for sharding tests; must be set before jax imports.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Tests that call the CLI in this process must not fill the user's cache
+# folder; the compile-cache tests pass their own folder explicitly.
+os.environ.setdefault("PREFIXJAX_COMPILE_CACHE", "off")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -325,3 +326,43 @@ def test_cli_replay_warns_that_length_only_traces_never_hit(tmp_path, capsys):
   err = capsys.readouterr().err
   assert "carries no prefix sharing, so every hit is 0" in err
   assert "capacity 0 holds no block" in err
+
+
+def test_cli_reuses_compiled_programs_across_processes(tmp_path):
+  """A second process with the same shapes loads every program from the
+  persistent cache: it writes no new entry, and prints the same points."""
+  cache = tmp_path / "cache"
+  argv = [
+    sys.executable,
+    "-m",
+    "prefixjax",
+    "replay",
+    "--capacity",
+    "50",
+    "400",
+    "--policy",
+    "fifo",
+    "lru_leaf",
+    "--compile-cache",
+    str(cache),
+  ]
+  outputs, entries = [], []
+  for run in range(2):
+    out = tmp_path / f"run{run}.json"
+    subprocess.run([*argv, "--json", str(out)], check=True, capture_output=True)
+    outputs.append(json.loads(out.read_text())["points"])
+    entries.append(sorted(p.name for p in cache.iterdir()))
+  assert entries[0], "the first run cached nothing"
+  assert entries[1] == entries[0]
+  assert outputs[1] == outputs[0]
+
+
+def test_cli_compile_cache_can_be_turned_off(tmp_path):
+  env = {**os.environ, "PREFIXJAX_COMPILE_CACHE": str(tmp_path / "env")}
+  argv = [sys.executable, "-m", "prefixjax", "replay", "--capacity", "50"]
+  subprocess.run(
+    [*argv, "--no-compile-cache"], check=True, env=env, capture_output=True
+  )
+  assert not (tmp_path / "env").exists()
+  subprocess.run(argv, check=True, env=env, capture_output=True)
+  assert any((tmp_path / "env").iterdir())

@@ -174,3 +174,26 @@ def test_mooncake_published_points():
   ceiling = rp.replay_ceiling(whole)
   assert round(ceiling.hit_rate, 3) == 0.374  # the shared README's figure
   assert np.isclose(rp.replay_ceiling(plan).hit_tokens, 27_038_068)
+
+
+def test_plan_numbers_nodes_in_order_of_first_sight(rng):
+  """prepare_replay's vectorised numbering equals PrefixNumbering's
+  one-block-at-a-time rule (node (parent, id), numbered as first seen)."""
+  from prefixjax.workloads import PrefixNumbering
+
+  rows = [
+    rng.integers(-2, 4, size=int(rng.integers(0, 9))).tolist()
+    for _ in range(int(rng.integers(1, 60)))
+  ]
+  rows[0] = rows[0] or [1]
+  lengths = [max(1, 4 * len(r) - int(rng.integers(0, 4))) for r in rows]
+  plan = rp.prepare_replay(rows, lengths, block_size=4, warmup_fraction=0.0)
+  numbering, nodes = PrefixNumbering(), []
+  for row in rows:
+    node = 0
+    for block_id in row:
+      node = numbering.child(node, block_id)
+      nodes.append(node)
+  assert plan.node.tolist() == nodes
+  assert plan.parent.tolist() == numbering.parent
+  assert plan.kept.tolist() == [i for i, r in enumerate(rows) if r]

@@ -24,7 +24,7 @@ from prefixjax.replay.frame import (
   check_warmup_fraction,
   warmup_requests,
 )
-from prefixjax.workloads import PrefixNumbering, Trace
+from prefixjax.workloads import Trace
 
 __all__ = [
   "ReplayPlan",
@@ -122,36 +122,33 @@ def prepare_replay(
   if block_size < 1:
     raise ValueError(f"block_size={block_size} must be >= 1")
   check_warmup_fraction(warmup_fraction)
-  numbering = PrefixNumbering()
-  nodes: list[int] = []
-  weights: list[int] = []
-  firsts: list[bool] = []
-  requests: list[int] = []
-  kept: list[int] = []
-  for index, (ids, length) in enumerate(
-    zip(hash_ids, input_lengths, strict=True)
-  ):
-    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-    if not ids:
-      continue
-    length = int(length)
-    if length <= 0:
+  rows = []
+  for index, ids in enumerate(hash_ids):
+    try:
+      rows.append(np.asarray(ids, np.int64).reshape(-1))
+    except (OverflowError, ValueError, TypeError):
       raise ValueError(
-        f"request {index} has {len(ids)} blocks but input_length={length}"
-      )
-    node = 0
-    for j, hash_id in enumerate(ids):
-      node = numbering.child(node, int(hash_id))
-      nodes.append(node)
-      remaining = length - j * block_size
-      weights.append(min(block_size, remaining) if remaining > 0 else 1)
-      firsts.append(j == 0)
-      requests.append(len(kept))
-    kept.append(index)
-  if not kept:
+        f"hash_ids[{index}] must be integers that fit in int64"
+      ) from None
+  lengths = np.asarray([row.size for row in rows], np.int64)
+  inputs = np.asarray(input_lengths, np.int64).reshape(-1)
+  empty_prompt = (lengths > 0) & (inputs <= 0)
+  if empty_prompt.any():
+    index = int(np.argmax(empty_prompt))
+    raise ValueError(
+      f"request {index} has {int(lengths[index])} blocks but "
+      f"input_length={int(inputs[index])}"
+    )
+  kept = np.flatnonzero(lengths > 0)
+  if not kept.size:
     raise ValueError("the trace has no blocks to replay")
-  node_arr = np.asarray(nodes, np.int32)
-  request_arr = np.asarray(requests, np.int32)
+  lens = lengths[kept]
+  ids = np.concatenate([rows[i] for i in kept])
+  request_arr = np.repeat(np.arange(kept.size), lens).astype(np.int32)
+  depth = np.arange(ids.size) - np.repeat(np.cumsum(lens) - lens, lens)
+  remaining = inputs[kept][request_arr] - depth * block_size
+  weights = np.where(remaining > 0, np.minimum(block_size, remaining), 1)
+  node_arr, parent = _number_prefixes(ids, depth)
   # Next use of each event's node: the next kept request containing it.
   never = len(kept) + 1
   next_use = np.full(node_arr.shape, never, np.int32)
@@ -161,16 +158,62 @@ def prepare_replay(
   next_use[order[:-1]] = later
   return ReplayPlan(
     node=node_arr,
-    parent=np.asarray(numbering.parent, np.int32),
-    weight=np.asarray(weights, np.int32),
+    parent=parent,
+    weight=weights.astype(np.int32),
     next_use=next_use,
-    first=np.asarray(firsts, bool),
+    first=depth == 0,
     request=request_arr,
-    kept=np.asarray(kept, np.int64),
+    kept=kept.astype(np.int64),
     num_requests=len(hash_ids),
     warmup_requests=warmup_requests(len(kept), warmup_fraction),
     block_size=block_size,
   )
+
+
+def _number_prefixes(ids: np.ndarray, depth: np.ndarray):
+  """Trie nodes of flat block events, numbered in order of first sight.
+
+  The rule of :class:`~prefixjax.workloads.PrefixNumbering` (node
+  ``(parent, id)``, numbered ``1, 2, ...`` as first seen, 0 the root),
+  vectorised over one depth at a time: a node's depth is fixed, so equal
+  ``(parent, id)`` pairs are found with one ``np.unique`` per depth, then
+  the nodes are ranked by their first event.
+
+  Args:
+    ids: ``[E]`` int64 block ids, requests one after another.
+    depth: ``[E]`` the block's position in its request.
+
+  Returns:
+    ``[E]`` int32 node of each event and ``[V]`` int32 parent of each node.
+  """
+  num_events = ids.shape[0]
+  temp = np.zeros(num_events, np.int64)  # per-depth numbering, 1-based
+  parents, firsts = [np.zeros(1, np.int64)], [np.full(1, -1, np.int64)]
+  by_depth = np.argsort(depth, kind="stable")  # event order within a depth
+  bounds = np.searchsorted(depth[by_depth], np.arange(int(depth.max()) + 2))
+  next_id = 1
+  for d in range(bounds.shape[0] - 1):
+    sel = by_depth[bounds[d] : bounds[d + 1]]
+    par = temp[sel - 1] if d else np.zeros(sel.shape[0], np.int64)
+    key = ids[sel]
+    # Group equal (parent, id) pairs: a stable sort puts each group's
+    # earliest event first (a plain np.unique over rows is 10x slower).
+    order = np.lexsort((key, par))
+    p, k = par[order], key[order]
+    starts = np.r_[True, (p[1:] != p[:-1]) | (k[1:] != k[:-1])]
+    group = np.cumsum(starts) - 1
+    temp[sel[order]] = next_id + group
+    parents.append(p[starts])
+    firsts.append(sel[order[starts]])
+    next_id += int(starts.sum())
+  parent_temp = np.concatenate(parents)
+  first_event = np.concatenate(firsts)
+  # Final ids: ranked by first event (each event adds at most one node).
+  final = np.empty(next_id, np.int64)
+  final[np.argsort(first_event, kind="stable")] = np.arange(next_id)
+  parent = np.empty(next_id, np.int64)
+  parent[final] = final[parent_temp]
+  return final[temp].astype(np.int32), parent.astype(np.int32)
 
 
 def plan_trace(

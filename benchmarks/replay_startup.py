@@ -1,0 +1,124 @@
+"""Whole-process start-up: the 12 Mooncake points end to end, side by side.
+
+What a user waits for, from typing the command to the table: the process
+start, imports, trace loading, compilation (or loading compiled programs
+from the persistent cache) and the run. Each variant is a fresh process,
+timed from outside, several times (best and median reported):
+
+* ``kvcache-sim C++``: a Python process that imports kvcache-simulator
+  0.1.3, parses the trace and runs its C++ sweep of the 12 points (its
+  C++ core built beforehand, as a user who ran it once has it);
+* ``prefixjax cold``: ``prefixjax replay`` with an empty compilation cache
+  folder (every program compiled);
+* ``prefixjax warm``: the same command again, its programs in the cache;
+* ``import jax``: a process that imports jax and runs one tiny op (the
+  floor every JAX program pays).
+
+Usage: ``python benchmarks/replay_startup.py [--runs 5] [--json OUT]``.
+Needs ``../shared/traces/mooncake_conversation_trace.jsonl`` and (for the
+first row) ``pip install kvcache-simulator==0.1.3``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TRACE = ROOT.parent / "shared/traces/mooncake_conversation_trace.jsonl"
+CAPACITIES = ("1827", "9139", "18279", "36558")
+
+KVCACHE_SIM = """
+import sys
+from kvcache_sim.cpp_backend import run_cpp_sweep
+from kvcache_sim.plan import build_execution_plan
+from kvcache_sim.trace import parse_trace_file
+trace = parse_trace_file(sys.argv[1], block_size=512)
+plan = build_execution_plan(trace, 0.5)
+out = run_cpp_sweep(trace, capacities=[1827, 9139, 18279, 36558],
+                    policies=["fifo", "lru", "optimal"],
+                    warmup_requests=plan.warmup_requests)
+print(len(out.results))
+"""
+
+IMPORT_JAX = "import jax, jax.numpy as jnp; jnp.zeros(1).block_until_ready()"
+
+
+def _time(argv, runs: int) -> list[float]:
+  times = []
+  for _ in range(runs):
+    start = time.perf_counter()
+    subprocess.run(argv, check=True, capture_output=True)
+    times.append(time.perf_counter() - start)
+  return times
+
+
+def _prefixjax(cache: pathlib.Path) -> list[str]:
+  return [
+    sys.executable,
+    "-m",
+    "prefixjax",
+    "replay",
+    "--trace",
+    str(TRACE),
+    "--capacity",
+    *CAPACITIES,
+    "--compile-cache",
+    str(cache),
+  ]
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--runs", type=int, default=5)
+  parser.add_argument("--json")
+  args = parser.parse_args(argv)
+  if not TRACE.exists():
+    print(f"trace not found: {TRACE}")
+    return 1
+  rows: dict[str, list[float]] = {}
+  rows["import jax"] = _time([sys.executable, "-c", IMPORT_JAX], args.runs)
+  try:
+    import kvcache_sim  # noqa: F401
+
+    kv = [sys.executable, "-c", KVCACHE_SIM, str(TRACE)]
+    subprocess.run(kv, check=True, capture_output=True)  # builds its core
+    rows["kvcache-sim C++"] = _time(kv, args.runs)
+  except ImportError:
+    print("kvcache-simulator is not installed: skipping its row")
+  cold, warm = [], []
+  for _ in range(args.runs):
+    with tempfile.TemporaryDirectory() as tmp:
+      cache = pathlib.Path(tmp) / "cache"
+      cold += _time(_prefixjax(cache), 1)
+      warm += _time(_prefixjax(cache), 1)
+  rows["prefixjax cold"] = cold
+  rows["prefixjax warm"] = warm
+  # The split a warm run reports itself (load / compile / run).
+  with tempfile.TemporaryDirectory() as tmp:
+    cache = pathlib.Path(tmp) / "cache"
+    subprocess.run(_prefixjax(cache), check=True, capture_output=True)
+    out = subprocess.run(
+      _prefixjax(cache), check=True, capture_output=True, text=True
+    ).stdout
+  split = [line for line in out.splitlines() if line.startswith("load ")]
+  print(f"{'variant':>16} {'best':>7} {'median':>7}  (s, {args.runs} runs)")
+  for name, times in rows.items():
+    print(f"{name:>16} {min(times):7.2f} {statistics.median(times):7.2f}")
+  if "kvcache-sim C++" in rows:
+    ratio = min(rows["prefixjax warm"]) / min(rows["kvcache-sim C++"])
+    print(f"prefixjax warm / kvcache-sim C++: {ratio:.2f}x (target <= 1.5x)")
+  print(f"warm run's own split: {split[0] if split else '?'}")
+  if args.json:
+    pathlib.Path(args.json).write_text(json.dumps(rows, indent=2))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
