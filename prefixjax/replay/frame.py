@@ -43,6 +43,7 @@ __all__ = [
   "ReplayPoint",
   "ReplayResult",
   "Timing",
+  "bucket",
   "check_capacities",
   "check_warmup_fraction",
   "compile_and_run",
@@ -201,18 +202,33 @@ def _jitted(run: Callable, static_names: tuple[str, ...]):
   return jax.jit(run, static_argnames=static_names)
 
 
+def bucket(n: int) -> int:
+  """The power of two at or above ``n`` (at least 1): the capacity count a
+  ``COLUMNS`` program is compiled for, so 5 to 8 capacities share one
+  program (and one entry of the persistent compilation cache)."""
+  return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _columns(prepared: Prepared) -> np.ndarray:
+  """The capacities padded to :func:`bucket` by repeating the last one
+  (``points`` reads only the first ``C`` columns)."""
+  caps = np.asarray(prepared.capacities, np.int32)
+  pad = bucket(caps.shape[0]) - caps.shape[0]
+  return np.concatenate([caps, np.repeat(caps[-1:], pad)])
+
+
 def _capacity_spec(engine: ReplayEngine, prepared: Prepared):
   if engine.batching is Batching.ONE_PASS:
     return ()
   if engine.batching is Batching.COLUMNS:
-    return (jax.ShapeDtypeStruct(prepared.capacities.shape, jnp.int32),)
+    return (jax.ShapeDtypeStruct(_columns(prepared).shape, jnp.int32),)
   return (jax.ShapeDtypeStruct((), jnp.int32),)
 
 
 def _compile(engine: ReplayEngine, prepared: Prepared):
   """The compiled ``run`` for these shapes and the seconds it took."""
   batching_key = (
-    prepared.capacities.shape if engine.batching is Batching.COLUMNS else ()
+    _columns(prepared).shape if engine.batching is Batching.COLUMNS else ()
   )
   key = (engine.name, engine.run, prepared.shape_key, batching_key)
   if key in _COMPILED:
@@ -252,14 +268,15 @@ def execute(
 def compile_and_run(engine: ReplayEngine, prepared: Prepared):
   """``engine.run`` on ``prepared``, compiled (or reused) and run to
   completion; returns its outputs as numpy arrays (a leading ``[C]`` axis
-  for ``PER_CAPACITY`` engines) and the :class:`Timing`."""
+  for ``PER_CAPACITY`` engines; ``COLUMNS`` engines see ``bucket(C)``
+  capacities, the first ``C`` the real ones) and the :class:`Timing`."""
   compiled, compile_s = _compile(engine, prepared)
   caps = jnp.asarray(prepared.capacities, jnp.int32)
   start = time.perf_counter()
   if engine.batching is Batching.ONE_PASS:
     outputs = compiled(prepared.arrays)
   elif engine.batching is Batching.COLUMNS:
-    outputs = compiled(prepared.arrays, caps)
+    outputs = compiled(prepared.arrays, jnp.asarray(_columns(prepared)))
   else:
     each = [compiled(prepared.arrays, c) for c in caps]
     outputs = jax.tree.map(lambda *x: jnp.stack(x), *each)
