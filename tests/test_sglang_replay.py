@@ -4,11 +4,17 @@ Every comparison checks, request by request, the hit tokens and the free
 pages left after the request (so the tree's size, not only its hits, must
 follow the oracle) at several capacities, the smallest one included: there
 eviction is heavy, nodes split and whole-node eviction overshoots.
+
+The replay's default refreshes waiting prefixes as SGLang 0.5.23 does
+(``touch_waiting_prefix`` every 32nd priority computation), so the oracle
+runs with ``waiting_refresh_interval=32`` unless a test says otherwise.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import re
 from pathlib import Path
 
 import jax
@@ -18,7 +24,7 @@ import pytest
 from reference_models.sglang_radix import SglangRadixCache
 
 from prefixjax.replay import sglang as sglang_replay
-from prefixjax.replay.sglang import replay_sglang
+from prefixjax.replay.sglang import WAITING_REFRESH_INTERVAL, replay_sglang
 from prefixjax.workloads import Trace, generate_workload, load_mooncake
 
 MOONCAKE = (
@@ -29,9 +35,21 @@ MOONCAKE = (
 )
 
 
-def _oracle(trace: Trace, block_size: int, capacity: int):
+DEFAULT = object()  # the replay's default waiting_refresh_interval
+
+
+def _oracle(
+  trace: Trace,
+  block_size: int,
+  capacity: int,
+  waiting_refresh_interval: int | None = WAITING_REFRESH_INTERVAL,
+):
   """Per request: hit tokens and free pages after it, from the oracle."""
-  cache = SglangRadixCache(capacity, page_size=block_size)
+  cache = SglangRadixCache(
+    capacity,
+    page_size=block_size,
+    waiting_refresh_interval=waiting_refresh_interval,
+  )
   hits, free = [], []
   for r in range(len(trace)):
     p, o = int(trace.input_lengths[r]), int(trace.output_lengths[r])
@@ -54,10 +72,18 @@ def _min_capacity(trace: Trace, block_size: int) -> int:
   return -(-int(totals.max()) // block_size)
 
 
-def _check_against_oracle(trace, block_size, capacities):
-  hits, free = sglang_replay.hits_and_free(trace, block_size, capacities)
+def _check_against_oracle(trace, block_size, capacities, interval=DEFAULT):
+  """The replay with ``waiting_refresh_interval=interval`` (its default if
+  ``DEFAULT``) equals the oracle with that interval (32 for ``DEFAULT``)."""
+  kwargs = (
+    {} if interval is DEFAULT else dict(waiting_refresh_interval=interval)
+  )
+  want_interval = 32 if interval is DEFAULT else interval
+  hits, free = sglang_replay.hits_and_free(
+    trace, block_size, capacities, **kwargs
+  )
   for i, capacity in enumerate(capacities):
-    want_hits, want_free = _oracle(trace, block_size, capacity)
+    want_hits, want_free = _oracle(trace, block_size, capacity, want_interval)
     got = hits[i].tolist()
     bad = [r for r in range(len(trace)) if got[r] != want_hits[r]]
     assert not bad, (
@@ -147,6 +173,158 @@ def test_hash_id_traces_match_oracle(rng):
   capacities = [need, need + 1, need + 2, need + 5, 2 * need, 1000]
   hits = _check_against_oracle(trace, block_size, capacities)
   assert hits[-1].sum() > 0
+
+
+# SGLang 0.5.23 touches a waiting request's whole prompt on its 1st, 33rd,
+# 65th, ... priority computation; requests 32, 64, ... find a full tree.
+@pytest.mark.parametrize(
+  "interval", [DEFAULT, None, 1], ids=["default", "none", "every"]
+)
+@pytest.mark.parametrize("source", ["multi_turn", "few_shot", "hashed"])
+def test_waiting_refresh_matches_oracle(source, interval, rng):
+  """At tight capacities, where LRU order decides hits, the replay with
+  the default, with no refresh and with a touch on every request equals
+  the oracle run with the same interval."""
+  if source == "hashed":
+    block_size = int(rng.choice([1, 2, 3, 4]))
+    trace = _hashed_trace(rng, 130, block_size)
+  else:
+    trace = generate_workload(
+      source,
+      num_requests=130,
+      seed=int(rng.integers(0, 2**31)),
+      vocab_size=int(rng.choice([2, 4, 32000])),
+      **GENERATED[source],
+    )
+    block_size = int(rng.choice([1, 2, 4]))
+  need = _min_capacity(trace, block_size)
+  capacities = [need, need + 1, need + 3, 2 * need]
+  _check_against_oracle(trace, block_size, capacities, interval)
+
+
+def _touch_trace() -> Trace:
+  """Page size 1, 10 pages: request 32's touch decides what it evicts.
+
+  Requests 0-1 leave ``[1 2] -> {[3 4], [9]}``, ``[3 4]`` the least
+  recently used leaf; 29 requests refresh ``[5 6]`` and request 31 fills
+  the pool. Request 32 (prompt ``1 2 3``) hits ``1 2`` and must evict one
+  leaf for its prefill: without the touch that is ``[3 4]`` (its capped
+  match does not reach page 3); the touch refreshes ``[3 4]``, so ``[9]``
+  goes and request 33 (``1 2 9 10``) hits 2 tokens instead of 3.
+  """
+  prompts = [[1, 2, 3, 4], [1, 2, 9]] + [[5, 6]] * 29
+  prompts += [[20, 21, 22], [1, 2, 3], [1, 2, 9, 10]]
+  return _tokens_trace(prompts, [[0]] * len(prompts))
+
+
+def test_waiting_refresh_is_observable():
+  trace = _touch_trace()
+  assert len(trace) == 34
+  want = {}
+  for interval in (32, None):
+    hits, free = _oracle(trace, 1, 10, interval)
+    want[interval] = hits
+    assert hits[-3:] == [0, 2, 3 if interval is None else 2]
+    got, got_free = sglang_replay.hits_and_free(
+      trace, 1, [10], waiting_refresh_interval=interval
+    )
+    assert got[0].tolist() == hits and got_free[0].tolist() == free
+  assert want[32] != want[None]
+  for kwargs, interval in [
+    ({}, 32),
+    (dict(waiting_refresh_interval=np.int64(32)), 32),
+    (dict(waiting_refresh_interval=None), None),
+  ]:
+    (point,) = replay_sglang(
+      trace, block_size=1, capacities=[10], warmup_fraction=0.0, **kwargs
+    )
+    assert point.per_request_hit_tokens.tolist() == want[interval]
+
+
+def _touch_prone_trace(rng, block_size: int) -> Trace:
+  """A random hash-id trace whose request 32 may evict differently with
+  and without its touch (the randomised :func:`_touch_trace`).
+
+  Requests 0-1 (``a + b``, ``a + c``) split ``a | b``, leaving ``b`` the
+  oldest leaf; fillers refresh a few short prompts; request 31 is fresh;
+  request 32's prompt is ``a`` plus ``b``'s first page (its capped match
+  stops at ``a``, its touch walks into ``b``); requests 33-34 then ask
+  for ``c`` and the whole of ``b``. Every capacity a little above the
+  largest request is tried, so at one of them request 32's prefill finds
+  the pool full.
+  """
+  fresh = itertools.count(100)
+
+  def ids(low, high):
+    return [next(fresh) for _ in range(int(rng.integers(low, high)))]
+
+  a, b, c = ids(1, 4), ids(1, 4), ids(1, 4)
+  fillers = [ids(1, 4) for _ in range(int(rng.integers(1, 4)))]
+  paths = [a + b, a + c]
+  paths += [fillers[int(rng.integers(len(fillers)))] for _ in range(29)]
+  paths += [ids(1, 5), a + b[:1], a + c + ids(1, 2), a + b + ids(1, 2)]
+  exact = {0, 1, 31, 32}  # prompts of whole pages
+  prompt_lens, output_lens = [], []
+  for r, path in enumerate(paths):
+    tail = 0 if r in exact else int(rng.integers(0, block_size))
+    prompt_lens.append(len(path) * block_size - tail)
+    if r in (1, 32, 33, 34):
+      output_lens.append(int(rng.integers(0, 2 * block_size + 2)))
+    else:  # no decode page: the tree only grows by prompt pages
+      output_lens.append(int(rng.integers(0, 2)))
+  return Trace(
+    np.zeros(len(paths)),
+    prompt_lens,
+    output_lens,
+    hash_ids=[np.asarray(path) for path in paths],
+    hash_block_size=block_size,
+    name="touch-prone",
+  )
+
+
+def test_waiting_refresh_changes_lru_order_on_random_traces(rng):
+  """A random trace where the oracle's two settings differ (most draws
+  are; the first such of 20 is taken), and the replay equals the oracle
+  with each setting at every capacity tried."""
+  for _ in range(20):
+    block_size = int(rng.choice([1, 2, 3, 4]))
+    trace = _touch_prone_trace(rng, block_size)
+    need = _min_capacity(trace, block_size)
+    capacities = list(range(need, need + 40))
+    runs = {
+      interval: [_oracle(trace, block_size, c, interval) for c in capacities]
+      for interval in (32, None)
+    }
+    if runs[32] != runs[None]:
+      break
+  else:
+    pytest.fail("no drawn trace tells the two settings apart")
+  for name, kwargs, interval in [
+    ("default", {}, 32),
+    ("None", dict(waiting_refresh_interval=None), None),
+  ]:
+    hits, free = sglang_replay.hits_and_free(
+      trace, block_size, capacities, **kwargs
+    )
+    for i, capacity in enumerate(capacities):
+      assert hits[i].tolist() == runs[interval][i][0], (name, capacity)
+      assert free[i].tolist() == runs[interval][i][1], (name, capacity)
+
+
+@pytest.mark.parametrize("value", [0, -3, 2**31, 2.5, True, "32"], ids=repr)
+def test_bad_waiting_refresh_interval(value):
+  trace = _tokens_trace([[1, 2, 3, 4, 5]], [[6, 7, 8, 9, 10, 11]])
+  match = re.escape(f"waiting_refresh_interval={value!r} must be None")
+  with pytest.raises(ValueError, match=match):
+    replay_sglang(
+      trace, block_size=2, capacities=[8], waiting_refresh_interval=value
+    )
+  with pytest.raises(ValueError, match=match):
+    sglang_replay.hits_and_free(trace, 2, [8], waiting_refresh_interval=value)
+  with pytest.raises(ValueError, match=match):
+    sglang_replay.ENGINE.prepare(
+      trace, [8], block_size=2, waiting_refresh_interval=value
+    )
 
 
 def test_unknown_outputs_get_fresh_pages(rng):

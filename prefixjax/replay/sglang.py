@@ -1,26 +1,68 @@
 """Trace replay with SGLang ``RadixCache`` semantics, as one jitted scan.
 
 Each request, one at a time and in order, is served the way SGLang 0.5.23's
-paged ``RadixCache`` with LRU eviction serves a request alone (the rules, each
-with its source, are in ``tests/reference_models/sglang_radix.py``, whose
-default configuration this module reproduces hit for hit):
+paged ``RadixCache`` (``srt/mem_cache/radix_cache.py``) with LRU eviction
+serves a request alone, under the default FCFS scheduler policy (the rules,
+each with its source, are in ``tests/reference_models/sglang_radix.py``,
+which this module reproduces hit for hit; paths below are in the 0.5.23
+wheel's ``sglang/srt/``):
 
-1. ``match_prefix`` of the prompt, capped at ``(P - 1) // K`` pages; every
-   node walked gets the match's timestamp; a node the match ends inside is
-   split and its upper part gets a fresh, later timestamp. The matched path
-   is locked.
-2. Prefill allocation: evict whole least-recently-used unlocked leaf nodes
-   until ``(P - hit) + K`` tokens are free (``K`` = page size; ``P - hit``
-   when ``K == 1``), then take ``cdiv(P, K) - hit_pages`` pages.
-3. If the request decodes (``O >= 2``), checkpoint the full prompt pages:
-   insert them (walk, split, one new leaf node for the rest; pages that
-   duplicate tree pages are freed), match them again, move the lock.
-4. ``O - 1`` decode steps: each step whose start finds no free page evicts
-   one LRU leaf node (SGLang asks for ``K`` tokens every step); a page is
-   taken when a step starts a page.
-5. Finish: checkpoint every full page of the ``P + O - 1`` tokens with KV
-   (plus the refreshing re-insert of the prompt), free the partial last
-   page, unlock.
+0. Waiting-prefix refresh, on by default (``environ.py
+   SGLANG_ENABLE_WAITING_PREFIX_REFRESH``, true): ``managers/
+   schedule_policy.py SchedulePolicy.calc_priority`` ends with
+   ``_touch_waiting_prefixes``, which on its 1st, 33rd, 65th, ... call
+   (``WAITING_PREFIX_REFRESH_INTERVAL = 32``) runs ``mem_cache/common.py
+   touch_waiting_prefix`` -> ``RadixCache.touch_prefix`` for each waiting
+   request: ``_match_prefix_helper`` of the page-aligned prompt, *not*
+   capped at ``P - 1`` tokens. Modelled as one ``calc_priority`` per
+   request, with the request alone in the queue: requests ``0, n, 2n, ...``
+   (``n = waiting_refresh_interval``, 32 by default, ``None`` turns the
+   rule off) first match their ``P // K`` full prompt pages: every node
+   walked gets the match's timestamp, a node the match ends inside is split
+   (its upper part gets a later timestamp); nothing is locked or counted.
+   It walks further than step 1's match only when ``K`` divides ``P``, and
+   it matters where that match stops at a node boundary one page short:
+   the touch also refreshes the next node, so step 2 may spare it.
+1. ``match_prefix`` of the prompt, capped at ``(P - 1) // K`` pages
+   (``managers/schedule_batch.py Req._compute_max_prefix_len``,
+   ``RadixCache._match_prefix_helper`` / ``_split_node``); every node walked
+   gets the match's timestamp; a node the match ends inside is split and its
+   upper part gets a fresh, later timestamp. The matched path is locked
+   (``schedule_policy.py PrefillAdder._commit_prefill_admission``).
+2. Prefill allocation (``mem_cache/allocation.py
+   alloc_paged_token_slots_extend``, ``alloc_token_slots`` when ``K == 1``;
+   ``allocator/base.py evict_to_free_tokens``; ``RadixCache.evict`` with
+   ``evict_policy.py LRUStrategy``): evict whole least-recently-used
+   unlocked leaf nodes until ``(P - hit) + K`` tokens are free (``K`` =
+   page size; ``P - hit`` when ``K == 1``), then take ``cdiv(P, K) -
+   hit_pages`` pages.
+3. If the request decodes (``O >= 2``), checkpoint the full prompt pages
+   (``common.py checkpoint_kv_cache`` -> ``RadixCache.checkpoint`` /
+   ``_insert_cache``): insert them (walk, split, one new leaf node for the
+   rest; pages that duplicate tree pages are freed), match them again, move
+   the lock.
+4. ``O - 1`` decode steps (``allocation.py alloc_paged_token_slots_decode``):
+   each step whose start finds no free page evicts one LRU leaf node (SGLang
+   asks for ``K`` tokens every step); a page is taken when a step starts a
+   page.
+5. Finish (``common.py release_kv_cache(checkpoint=True)``): checkpoint
+   every full page of the ``P + O - 1`` tokens with KV (plus the refreshing
+   re-insert of the prompt), free the partial last page (``free_kv_row``),
+   unlock.
+
+Not modelled: SGLang 0.5.23's default cache factory
+(``mem_cache/registry.py default_radix_cache_factory`` ->
+``create_unified_radix_cache``) builds a ``UnifiedRadixCache``
+(``mem_cache/unified_radix_cache.py``), not the plain ``RadixCache``
+modelled here, so a default SGLang 0.5.23 server runs other cache code
+than this replay follows (and, where that cache's tree supports fast
+matching, ``calc_priority`` matches every waiting request on every call
+instead of touching every 32nd). Nor are: the overlap scheduler (SGLang's
+default), batching and concurrent requests, chunked prefill, admission
+reservations (``max_new_tokens``), the hierarchical cache, speculative
+decoding and eviction policies other than LRU; and SGLang counts
+``calc_priority`` calls with a non-empty waiting queue, which depend on
+arrival timing, where this replay counts requests.
 
 Timestamps are a logical clock that ticks once per match, insert and node
 creation, exactly as the oracle's, since eviction order depends on them.
@@ -34,7 +76,7 @@ pages of step 1).
 
 Data structures (``V`` = distinct pages + 1, the root being page 0; ``R`` =
 requests; ``M`` = most pages of one request; ``T`` = timestamps, at most
-``16 R``):
+``18 R``):
 
 * The radix tree is the set of cached pages, each page knowing its trie
   parent and depth (constants). A radix node is a run of pages from a page
@@ -56,9 +98,9 @@ requests; ``M`` = most pages of one request; ``T`` = timestamps, at most
   :mod:`prefixjax.replay`. The locked leaf leaves the bitmap for the length
   of an eviction loop.
 
-A request costs ``O(M)`` per tree verb (six of them) plus ``O(M)`` per node
-it evicts; nothing scans the pool, so the rate does not fall as ``V``
-grows. Every verb reads the state once, through
+A request costs ``O(M)`` per tree verb (six of them, seven with the touch)
+plus ``O(M)`` per node it evicts; nothing scans the pool, so the rate does
+not fall as ``V`` grows. Every verb reads the state once, through
 :func:`prefixjax._masked.barrier`, and writes each array with one masked
 scatter, so XLA:CPU updates the arrays in place. The replay of one capacity
 is one jitted ``lax.scan`` over requests; :data:`ENGINE`'s ``run`` is pure
@@ -91,6 +133,7 @@ from prefixjax.workloads import PrefixNumbering, Trace
 __all__ = [
   "ENGINE",
   "SGLANG_POLICY",
+  "WAITING_REFRESH_INTERVAL",
   "hits_and_free",
   "plan_pages",
   "replay_sglang",
@@ -98,6 +141,10 @@ __all__ = [
 
 SGLANG_POLICY = "lru_leaf"
 """Policy name of the points :func:`replay_sglang` returns."""
+
+WAITING_REFRESH_INTERVAL = 32
+"""SGLang 0.5.23's ``schedule_policy.py WAITING_PREFIX_REFRESH_INTERVAL``:
+the default ``waiting_refresh_interval``."""
 
 
 def _cdiv(a, b):
@@ -210,10 +257,10 @@ def plan_pages(trace: Trace, block_size: int) -> PagePlan:
 
 _FIELDS = 5
 _STATE, _TIME, _LENGTH, _REP, _KIDS = range(_FIELDS)
-_TICKS_PER_REQUEST = 16  # the six tree verbs of a request tick <= 15 times
+_TICKS_PER_REQUEST = 18  # the seven tree verbs of a request tick <= 17 times
 
 # Request verbs (one inner scan step each): kind, then what follows it.
-_ADMIT, _CKPT_INSERT, _CKPT_MATCH, _REFRESH = range(4)
+_ADMIT, _CKPT_INSERT, _CKPT_MATCH, _REFRESH, _TOUCH = range(5)
 
 
 def _one(x, i, fill=NONE):
@@ -416,8 +463,20 @@ def _evict_one(s, c, locked, anchor):
   return s, freed, ok
 
 
-def replay_one(consts, xs, capacity, *, block_size: int):
-  """Hit tokens, free pages after, broken invariant: ``[R]`` each."""
+def replay_one(
+  consts,
+  xs,
+  capacity,
+  *,
+  block_size: int,
+  waiting_refresh_interval: int | None = WAITING_REFRESH_INTERVAL,
+):
+  """Hit tokens, free pages after, broken invariant: ``[R]`` each.
+
+  ``waiting_refresh_interval`` (static): requests ``0, n, 2n, ...`` first
+  touch their whole page-aligned prompt (a match, uncapped); ``None``: none
+  does.
+  """
   table, depth = consts
   num_requests = xs[0].shape[0]
   width = table.shape[0] // num_requests
@@ -456,15 +515,22 @@ def replay_one(consts, xs, capacity, *, block_size: int):
     takes = _cdiv(total, ps) - _cdiv(p, ps)  # pages taken while decoding
     first_take = _cdiv(p, ps) * ps - p + 1  # the decode step of take 1
     decodes = o >= 2
-    kinds = jnp.asarray(
-      [_ADMIT, _CKPT_INSERT, _CKPT_MATCH, _CKPT_INSERT, _REFRESH, _CKPT_MATCH]
-    )
-    ns = jnp.stack(
-      [(p - 1) // ps, prompt_pages, prompt_pages, full_pages]
-      + [prompt_pages, full_pages]
-    )
     refresh = (prompt_pages > 0) & (prompt_pages < full_pages)
-    dos = jnp.stack([True, decodes, decodes, True, refresh, True])
+    verbs = [  # (kind, pages, do); decode runs after the first _CKPT_MATCH
+      (_ADMIT, (p - 1) // ps, True),
+      (_CKPT_INSERT, prompt_pages, decodes),
+      (_CKPT_MATCH, prompt_pages, decodes),
+      (_CKPT_INSERT, full_pages, True),
+      (_REFRESH, prompt_pages, refresh),
+      (_CKPT_MATCH, full_pages, True),
+    ]
+    if waiting_refresh_interval is not None:  # touch_waiting_prefix first
+      touch = r % waiting_refresh_interval == 0
+      verbs.insert(0, (_TOUCH, prompt_pages, touch))
+    decode_at = [k for k, _, _ in verbs].index(_CKPT_MATCH)
+    kinds = jnp.asarray([k for k, _, _ in verbs], jnp.int32)
+    ns = jnp.stack([jnp.asarray(n, i32) for _, n, _ in verbs])
+    dos = jnp.stack([jnp.asarray(d) for _, _, d in verbs])
 
     def op(carry, args):
       s, lock, private, hit, bad = carry
@@ -491,7 +557,7 @@ def replay_one(consts, xs, capacity, *, block_size: int):
       # ``f`` = free pages before decode plus pages evicted since, the
       # next such step follows take number ``f`` (take 0: step 0).
       free0 = s["free"]
-      decode = index == 2
+      decode = index == decode_at
 
       def go(count):
         f = free0 + count
@@ -509,7 +575,7 @@ def replay_one(consts, xs, capacity, *, block_size: int):
     zero = i32(0)
     carry = (s, zero, zero, zero, jnp.bool_(False))
     (s, _, private, hit, bad), _ = jax.lax.scan(
-      op, carry, (kinds, ns, dos, jnp.arange(6, dtype=i32))
+      op, carry, (kinds, ns, dos, jnp.arange(len(verbs), dtype=i32))
     )
     # Finish: free the partial last page, unlock.
     bad = bad | (private != (total % ps != 0).astype(i32))
@@ -521,14 +587,43 @@ def replay_one(consts, xs, capacity, *, block_size: int):
   return out
 
 
-def _run(arrays, capacity, *, block_size):
+def _run(arrays, capacity, *, block_size, waiting_refresh_interval):
   consts, xs = arrays
-  return replay_one(consts, xs, capacity, block_size=block_size)
+  return replay_one(
+    consts,
+    xs,
+    capacity,
+    block_size=block_size,
+    waiting_refresh_interval=waiting_refresh_interval,
+  )
+
+
+def _check_interval(waiting_refresh_interval) -> int | None:
+  """``waiting_refresh_interval`` as ``None`` or a Python int >= 1."""
+  value = waiting_refresh_interval
+  if value is None:
+    return None
+  if (
+    isinstance(value, bool)
+    or not isinstance(value, int | np.integer)
+    or not 1 <= value < 2**31
+  ):
+    raise ValueError(
+      f"waiting_refresh_interval={value!r} must be None (no waiting-prefix "
+      "refresh) or an int from 1 to 2**31 - 1"
+    )
+  return int(value)
 
 
 def _prepare(
-  trace: Trace, capacities, *, block_size: int, warmup_fraction: float = 0.5
+  trace: Trace,
+  capacities,
+  *,
+  block_size: int,
+  warmup_fraction: float = 0.5,
+  waiting_refresh_interval: int | None = WAITING_REFRESH_INTERVAL,
 ) -> Prepared:
+  interval = _check_interval(waiting_refresh_interval)
   plan = plan_pages(trace, block_size)
   consts = (jnp.asarray(plan.pages.reshape(-1)), jnp.asarray(plan.depth))
   xs = (
@@ -539,7 +634,7 @@ def _prepare(
   return Prepared(
     arrays=(consts, xs),
     capacities=np.asarray(capacities, np.int32),
-    static=dict(block_size=block_size),
+    static=dict(block_size=block_size, waiting_refresh_interval=interval),
     context=(trace, warmup_fraction),
   )
 
@@ -620,11 +715,23 @@ def _check(trace: Trace, block_size, capacities, warmup_fraction):
   return [int(c) for c in capacities]
 
 
-def hits_and_free(trace: Trace, block_size: int, capacities):
+def hits_and_free(
+  trace: Trace,
+  block_size: int,
+  capacities,
+  *,
+  waiting_refresh_interval: int | None = WAITING_REFRESH_INTERVAL,
+):
   """``[C, R]`` hit tokens and free pages after each request, for
-  arguments :func:`replay_sglang` accepts."""
+  arguments :func:`replay_sglang` accepts (``waiting_refresh_interval``
+  as there)."""
   capacities = _check(trace, block_size, capacities, 0.0)
-  prepared = ENGINE.prepare(trace, capacities, block_size=int(block_size))
+  prepared = ENGINE.prepare(
+    trace,
+    capacities,
+    block_size=int(block_size),
+    waiting_refresh_interval=waiting_refresh_interval,
+  )
   outputs, _ = frame.compile_and_run(ENGINE, prepared)
   return _checked_outputs(capacities, outputs)
 
@@ -635,14 +742,26 @@ def replay_sglang(
   block_size: int,
   capacities: Sequence[int],
   warmup_fraction: float = 0.5,
+  waiting_refresh_interval: int | None = WAITING_REFRESH_INTERVAL,
 ) -> ReplayResult:
-  """Replays a trace with SGLang ``RadixCache`` semantics.
+  """Replays a trace with SGLang 0.5.23 ``RadixCache`` semantics.
 
   Requests run one at a time, in order, through a pool of ``capacity``
   pages of ``block_size`` tokens holding the radix tree, the running
   request's own pages and free pages (see the module docstring for every
-  rule). Hits equal those of ``tests/reference_models/sglang_radix.py``'s
-  ``SglangRadixCache(capacity, page_size=block_size)`` request for request.
+  rule and the SGLang file it follows). By default SGLang's FCFS
+  scheduler refreshes waiting prefixes (``schedule_policy.py
+  _touch_waiting_prefixes``, ``SGLANG_ENABLE_WAITING_PREFIX_REFRESH`` on):
+  requests ``0, 32, 64, ...`` first match their whole page-aligned prompt,
+  which can change which leaves LRU evicts. Hits equal those of
+  ``tests/reference_models/sglang_radix.py``'s ``SglangRadixCache(
+  capacity, page_size=block_size, waiting_refresh_interval=...)`` with the
+  same interval, request for request.
+
+  Not modelled: SGLang 0.5.23's default cache factory builds a
+  ``UnifiedRadixCache``, not the plain ``RadixCache`` this replays; nor
+  the overlap scheduler, batching, chunked prefill or admission
+  reservations.
 
   Args:
     trace: a token-id trace (generated workloads, token-id JSONL; output
@@ -653,6 +772,11 @@ def replay_sglang(
     capacities: usable pages in the pool; each must hold the largest
       request (``ceil((P + max(O, 1) - 1) / block_size)`` pages).
     warmup_fraction: share of requests before hits are counted.
+    waiting_refresh_interval: every how many requests (from request 0) the
+      waiting-prefix refresh runs: SGLang 0.5.23's 32 by default
+      (:data:`WAITING_REFRESH_INTERVAL`); ``None`` turns it off (SGLang
+      with ``SGLANG_ENABLE_WAITING_PREFIX_REFRESH=0``). Static: each value
+      compiles its own program.
 
   Returns:
     A :class:`~prefixjax.replay.frame.ReplayResult`: one point per
@@ -661,8 +785,9 @@ def replay_sglang(
 
   Raises:
     ValueError: no page identities, a hash block size other than
-      ``block_size``, an empty prompt, a bad size or fraction, or a
-      capacity too small for the largest request.
+      ``block_size``, an empty prompt, a bad size or fraction, a capacity
+      too small for the largest request, or a ``waiting_refresh_interval``
+      that is neither ``None`` nor an int >= 1.
     TypeError: a size that is not an int.
 
   Example:
@@ -681,6 +806,7 @@ def replay_sglang(
     capacities,
     block_size=int(block_size),
     warmup_fraction=warmup_fraction,
+    waiting_refresh_interval=waiting_refresh_interval,
   )
   return frame.execute(ENGINE, prepared, capacities)
 
@@ -694,4 +820,5 @@ ENGINE = ReplayEngine(
   run=_run,
   points=_points,
 )
-"""SGLang 0.5.23 ``RadixCache`` semantics, one capacity per run."""
+"""SGLang 0.5.23 ``RadixCache`` semantics, one capacity per run
+(``prepare`` takes ``waiting_refresh_interval`` as :func:`replay_sglang`)."""
