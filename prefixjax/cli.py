@@ -482,13 +482,18 @@ def _report(args, trace, points, ceiling, load_s, run_timing) -> int:
   if args.plot:
     from prefixjax.plots import plot_hit_rates
 
-    plot_hit_rates(
+    # A PNG gets a vector PDF beside it (a paper wants both).
+    also = ("pdf",) if args.plot.lower().endswith(".png") else ()
+    written = plot_hit_rates(
       rows,
       args.plot,
-      title=f"{trace.name}, {args.semantics} semantics",
+      trace=trace.name,
+      semantics=args.semantics,
+      warmup_fraction=args.warmup_fraction,
       ceiling=None if ceiling is None else ceiling.hit_rate,
+      also=also,
     )
-    print(f"wrote {args.plot}")
+    print(f"wrote {', '.join(written)}")
   return 0
 
 

@@ -1,78 +1,605 @@
-"""Plots of replay results.
+"""Plots of replay results, sized and labelled for a paper.
 
-matplotlib is optional: ``pip install prefixjax[plot]``.
+matplotlib is optional: ``pip install prefixjax[plot]``. The figures are built
+on a bare :class:`matplotlib.figure.Figure` (no pyplot, no backend switch), so
+a notebook's backend is left alone.
+
+Every series gets its own colour (Okabe-Ito, colour-blind safe), marker and
+line style, in series order, so a series hidden under another still shows and
+the figure reads in greyscale. The x axis is ticked at the measured values
+themselves, thinned where labels would touch. Raster output is 300 dpi; a
+``.pdf`` or ``.svg`` path writes vector output.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import pathlib
+import textwrap
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["plot_hit_rates"]
+if TYPE_CHECKING:
+  from matplotlib.axis import Axis
+  from matplotlib.figure import Figure
+
+__all__ = ["plot_hit_rate_vs_block_size", "plot_hit_rates"]
+
+DPI = 300
+FIGSIZE = (6.4, 4.0)  # inches: a two-column figure width
+_COLORS = (
+  "#0072B2",
+  "#E69F00",
+  "#009E73",
+  "#D55E00",
+  "#CC79A7",
+  "#56B4E9",
+  "#000000",
+  "#F0E442",
+)
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+# Five styles against eight markers: no (marker, style) pair repeats before
+# the 40th series.
+_LINESTYLES = ("-", "--", "-.", ":", (0, (5, 1, 1, 1, 1, 1)))
+_MAX_LABELS = 8
+_COMPRESSED = {".gz", ".bz2", ".xz", ".zst", ".zip"}
+# Reproducible vector files: no creation date in them.
+_METADATA = {"pdf": {"CreationDate": None}, "svg": {"Date": None}}
 
 
 def plot_hit_rates(
-  rows: Sequence[dict],
-  path: str,
+  rows: Sequence[Mapping[str, Any]],
+  path: str | os.PathLike[str],
   *,
-  title: str = "",
+  title: str | None = None,
   ceiling: float | None = None,
-) -> None:
+  trace: str | None = None,
+  semantics: str | None = None,
+  warmup_fraction: float | None = None,
+  block_size: int | None = None,
+  bytes_per_token: float | None = None,
+  figsize: tuple[float, float] = FIGSIZE,
+  also: Sequence[str] = (),
+) -> list[str]:
   """Hit rate against cache capacity, one line per policy, saved to ``path``.
 
   Args:
     rows: point dicts as written by ``prefixjax replay --json`` (keys
-      ``policy``, ``capacity_blocks``, ``hit_rate``, ``mode``).
-    path: image file to write (format from the extension, e.g. ``.png``).
-    title: figure title.
-    ceiling: unbounded-cache hit rate, drawn as a dashed line.
+      ``policy``, ``capacity_blocks``, ``hit_rate``, ``mode``). Underfilled
+      points are drawn as crosses at 0, not joined to their curve.
+    path: file to write; the format comes from the extension (``.png`` at
+      300 dpi, ``.pdf`` and ``.svg`` as vectors).
+    title: figure title; ``None`` names the trace, ``""`` draws none.
+    ceiling: unbounded-cache hit rate, drawn as a labelled dashed line.
+    trace: trace file name; its stem (no directory, no extension) titles
+      the figure.
+    semantics: serving semantics, named in the caption.
+    warmup_fraction: share of requests that only warm the cache; the
+      caption names the measured window.
+    block_size: tokens per block, named in the caption; adds a top axis in
+      tokens. ``None`` takes it from the rows when they all agree.
+    bytes_per_token: KV bytes per token; the top axis is then in GiB.
+    figsize: figure size in inches.
+    also: extra extensions (``("pdf",)``) written beside ``path``.
+
+  Returns:
+    The paths written, ``path`` first.
 
   Raises:
     ImportError: matplotlib is not installed (with the install hint).
+    ValueError: no rows, an unknown figure format, or ``bytes_per_token``
+      without a block size.
   """
-  try:
-    import matplotlib
+  fig = _hit_rate_figure(
+    rows,
+    title=title,
+    ceiling=ceiling,
+    trace=trace,
+    semantics=semantics,
+    warmup_fraction=warmup_fraction,
+    block_size=block_size,
+    bytes_per_token=bytes_per_token,
+    figsize=figsize,
+  )
+  return _save(fig, path, also)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
+
+def plot_hit_rate_vs_block_size(
+  rows: Sequence[Mapping[str, Any]],
+  path: str | os.PathLike[str],
+  *,
+  title: str | None = None,
+  trace: str | None = None,
+  semantics: str | None = None,
+  warmup_fraction: float | None = None,
+  figsize: tuple[float, float] = FIGSIZE,
+  also: Sequence[str] = (),
+) -> list[str]:
+  """Hit rate and internal fragmentation against block size.
+
+  Args:
+    rows: point dicts with ``block_size`` and ``hit_rate``; optional
+      ``policy`` (one line each; default one line), ``mode`` (as in
+      :func:`plot_hit_rates`) and ``fragmentation`` (share of allocated
+      token slots left empty, drawn on a right-hand axis, averaged per block
+      size).
+    path, title, trace, semantics, warmup_fraction, figsize, also: as in
+      :func:`plot_hit_rates`.
+
+  Returns:
+    The paths written, ``path`` first.
+  """
+  fig = _block_size_figure(
+    rows,
+    title=title,
+    trace=trace,
+    semantics=semantics,
+    warmup_fraction=warmup_fraction,
+    figsize=figsize,
+  )
+  return _save(fig, path, also)
+
+
+def _hit_rate_figure(
+  rows: Sequence[Mapping[str, Any]],
+  *,
+  title: str | None = None,
+  ceiling: float | None = None,
+  trace: str | None = None,
+  semantics: str | None = None,
+  warmup_fraction: float | None = None,
+  block_size: int | None = None,
+  bytes_per_token: float | None = None,
+  figsize: tuple[float, float] = FIGSIZE,
+) -> Figure:
+  """The figure :func:`plot_hit_rates` saves (tests inspect it)."""
+  if not rows:
+    raise ValueError("no rows to plot")
+  if block_size is None:
+    sizes = {r.get("block_size") for r in rows}
+    if len(sizes) == 1 and None not in sizes:
+      block_size = int(sizes.pop())
+  if bytes_per_token is not None and block_size is None:
+    raise ValueError("bytes_per_token needs a block_size")
+  fig, ax = _new_figure(figsize)
+  handles, underfilled = _draw_series(ax, rows, "capacity_blocks")
+  if underfilled:
+    handles.append(_underfilled_handle())
+  peak = max([100 * r["hit_rate"] for r in rows] + [0.0])
+  if ceiling is not None:
+    label = f"unbounded cache {100 * ceiling:.1f}%"
+    handles.append(
+      ax.axhline(
+        100 * ceiling,
+        linestyle="--",
+        linewidth=1.0,
+        color="0.45",
+        label=label,
+        zorder=2,
+      )
+    )
+    ax.text(
+      0.99,
+      100 * ceiling,
+      label,
+      transform=ax.get_yaxis_transform(),
+      ha="right",
+      va="bottom",
+      fontsize=8,
+      color="0.3",
+    )
+    peak = max(peak, 100 * ceiling)
+  _note_if_empty(ax, rows, ceiling)
+  ax.set_ylim(0, 1.15 * peak if peak > 0 else 1.0)
+  ax.set_xlabel("cache capacity (blocks)", fontsize=9)
+  ax.set_ylabel("token hit rate (%)", fontsize=9)
+  _legend(fig, ax, handles)
+
+  capacities = [r["capacity_blocks"] for r in rows]
+  top = None
+  if block_size is not None:
+    top = ax.twiny()
+    if bytes_per_token is None:
+      top.set_xlabel("cache capacity (tokens)", fontsize=9)
+      top_label = lambda v: _count_label(v * block_size)
+    else:
+      gib = block_size * bytes_per_token / 2**30
+      top.set_xlabel("cache capacity (GiB)", fontsize=9)
+      top_label = lambda v: _gib_label(v * gib)
+  _set_x_scale(ax, capacities, decades=10)
+  if top is not None:
+    _set_x_scale(top, capacities, decades=10)
+    top.set_xlim(ax.get_xlim())
+    top.tick_params(labelsize=8)
+  if title is None:
+    title = _trace_stem(trace) if trace else ""
+  if title:
+    ax.set_title(title, fontsize=10)
+  _caption(
+    fig,
+    block_size=block_size,
+    bytes_per_token=bytes_per_token,
+    warmup_fraction=warmup_fraction,
+    semantics=semantics,
+    underfilled=underfilled,
+  )
+  kept = _fit_ticks(fig, ax.xaxis, capacities, _count_label)
+  if top is not None:
+    _fit_ticks(fig, top.xaxis, capacities, top_label, start=kept)
+  return fig
+
+
+def _block_size_figure(
+  rows: Sequence[Mapping[str, Any]],
+  *,
+  title: str | None = None,
+  trace: str | None = None,
+  semantics: str | None = None,
+  warmup_fraction: float | None = None,
+  figsize: tuple[float, float] = FIGSIZE,
+) -> Figure:
+  """The figure :func:`plot_hit_rate_vs_block_size` saves."""
+  if not rows:
+    raise ValueError("no rows to plot")
+  fig, ax = _new_figure(figsize)
+  handles, underfilled = _draw_series(
+    ax, rows, "block_size", default="hit rate"
+  )
+  if underfilled:
+    handles.append(_underfilled_handle())
+  frag: dict[int, list[float]] = {}
+  for r in rows:
+    if r.get("fragmentation") is not None:
+      frag.setdefault(r["block_size"], []).append(100 * r["fragmentation"])
+  if frag:
+    right = ax.twinx()
+    xs = sorted(frag)
+    ys = [sum(frag[x]) / len(frag[x]) for x in xs]
+    style = _style(len(handles))
+    style["color"] = "0.35"
+    (line,) = right.plot(
+      xs,
+      ys,
+      label="internal fragmentation",
+      markerfacecolor="white",
+      clip_on=False,
+      zorder=3,
+      **_LINE,
+      **style,
+    )
+    handles.append(line)
+    right.set_ylim(0, 1.15 * max(ys) if max(ys) > 0 else 1.0)
+    right.set_ylabel("internal fragmentation (%)", fontsize=9)
+    right.tick_params(labelsize=8)
+  peak = max([100 * r["hit_rate"] for r in rows] + [0.0])
+  _note_if_empty(ax, rows, None)
+  ax.set_ylim(0, 1.15 * peak if peak > 0 else 1.0)
+  ax.set_xlabel("block size (tokens)", fontsize=9)
+  ax.set_ylabel("token hit rate (%)", fontsize=9)
+  _legend(fig, ax, handles)
+  sizes = [r["block_size"] for r in rows]
+  _set_x_scale(ax, sizes, decades=4)
+  if title is None:
+    title = _trace_stem(trace) if trace else ""
+  if title:
+    ax.set_title(title, fontsize=10)
+  _caption(
+    fig,
+    block_size=None,
+    bytes_per_token=None,
+    warmup_fraction=warmup_fraction,
+    semantics=semantics,
+    underfilled=underfilled,
+  )
+  _fit_ticks(fig, ax.xaxis, sizes, _count_label)
+  return fig
+
+
+_LINE = {"linewidth": 1.4, "markersize": 5}
+
+
+def _new_figure(figsize: tuple[float, float]):
+  try:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
   except ImportError as err:  # pragma: no cover - depends on the install
     raise ImportError(
       "plots need matplotlib: pip install 'prefixjax[plot]'"
     ) from err
-  fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
-  for policy in dict.fromkeys(r["policy"] for r in rows):
-    points = sorted(
-      (r["capacity_blocks"], r["hit_rate"], r["mode"])
-      for r in rows
-      if r["policy"] == policy
+  fig = Figure(figsize=figsize, layout="constrained")
+  FigureCanvasAgg(fig)
+  ax = fig.add_subplot()
+  ax.tick_params(labelsize=8)
+  ax.grid(True, which="major", alpha=0.3, linewidth=0.6)
+  return fig, ax
+
+
+def _legend(fig, ax, handles) -> None:
+  """Outside the axes, so it covers no data: on the right of a wide figure,
+  under the x label of a narrow one (under 5 inches)."""
+  from matplotlib.transforms import offset_copy
+
+  if fig.get_figwidth() >= 5:
+    ax.legend(
+      handles=handles,
+      loc="upper left",
+      bbox_to_anchor=(1.02, 1.0),
+      borderaxespad=0.0,
+      frameon=False,
+      fontsize=8,
     )
-    measured = [(x, 100 * y) for x, y, mode in points if mode != "underfilled"]
+    return
+  # 36 points below the axes: clear of the tick labels and the x label.
+  below = offset_copy(ax.transAxes, fig=fig, y=-36, units="points")
+  ax.legend(
+    handles=handles,
+    loc="upper center",
+    bbox_to_anchor=(0.5, 0.0),
+    bbox_transform=below,
+    borderaxespad=0.0,
+    frameon=False,
+    fontsize=8,
+    ncols=2,
+  )
+
+
+def _style(i: int) -> dict:
+  """Colour, marker and line style of the ``i``-th series."""
+  return {
+    "color": _COLORS[i % len(_COLORS)],
+    "marker": _MARKERS[i % len(_MARKERS)],
+    "linestyle": _LINESTYLES[i % len(_LINESTYLES)],
+  }
+
+
+def _draw_series(ax, rows, xkey: str, default: str = "") -> tuple[list, bool]:
+  """One line per ``policy``; underfilled points as crosses at 0."""
+  names = list(dict.fromkeys(r.get("policy", default) for r in rows))
+  handles, underfilled = [], False
+  for i, name in enumerate(names):
+    style = _style(i)
+    points = sorted(
+      (r[xkey], 100 * r["hit_rate"], r.get("mode", "measured"))
+      for r in rows
+      if r.get("policy", default) == name
+    )
+    xs = [x for x, _, mode in points if mode != "underfilled"]
+    ys = [y for _, y, mode in points if mode != "underfilled"]
+    (line,) = ax.plot(
+      xs, ys, label=str(name), clip_on=False, zorder=3, **_LINE, **style
+    )
+    handles.append(line)
     under = [x for x, _, mode in points if mode == "underfilled"]
-    xs_ys = list(zip(*measured, strict=True)) or [(), ()]
-    (line,) = ax.plot(*xs_ys, marker="o", label=policy)
     if under:
-      # An underfilled cache reports 0 hits (as kvcache-simulator does):
-      # marked on the axis, not joined to the curve.
-      ax.scatter(
+      # An underfilled cache reports 0 hits (as kvcache-simulator does).
+      underfilled = True
+      ax.plot(
         under,
-        [0] * len(under),
+        [0.0] * len(under),
+        linestyle="none",
         marker="x",
-        color=line.get_color(),
-        label=f"{policy}: underfilled",
+        markersize=6,
+        color=style["color"],
         clip_on=False,
+        zorder=4,
       )
-  if ceiling is not None:
-    ax.axhline(100 * ceiling, linestyle="--", color="gray", label="unbounded")
-  ax.set_xscale("log")
-  # Label decades only: minor labels on a log axis overlap.
-  ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-  ax.set_xlabel("cache capacity (blocks)")
-  ax.set_ylabel("token hit rate (%)")
-  ax.set_ylim(bottom=0)
-  ax.grid(True, which="both", alpha=0.3)
-  ax.legend()
-  if title:
-    ax.set_title(title, fontsize=10)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+  return handles, underfilled
+
+
+def _underfilled_handle():
+  from matplotlib.lines import Line2D
+
+  return Line2D(
+    [],
+    [],
+    linestyle="none",
+    marker="x",
+    markersize=6,
+    color="0.3",
+    label="underfilled (reported 0)",
+  )
+
+
+def _note_if_empty(ax, rows, ceiling: float | None) -> None:
+  """Says why an all-zero plot is flat, in the middle of the axes."""
+  measured = [r for r in rows if r.get("mode", "measured") != "underfilled"]
+  if not measured:
+    note = "every point underfilled"
+  elif any(r["hit_rate"] > 0 for r in measured):
+    return
+  elif not ceiling:
+    note = "no hits: the trace shares no prefix"
+  else:
+    note = "no hits at these capacities"
+  ax.text(
+    0.5,
+    0.5,
+    note,
+    transform=ax.transAxes,
+    ha="center",
+    va="center",
+    fontsize=9,
+    color="0.3",
+  )
+
+
+def _set_x_scale(ax, values: Sequence[float], decades: float) -> None:
+  """Log scale when the positive values span more than ``decades`` (a ratio);
+  symlog when 0 is among them too (0 then sits left of the smallest one)."""
+  positive = [v for v in values if v > 0]
+  if len(positive) < 2 or max(positive) <= decades * min(positive):
+    return
+  if len(positive) == len(values):
+    ax.set_xscale("log")
+  else:
+    ax.set_xscale("symlog", linthresh=min(positive), linscale=0.4)
+    # Autoscale's margin reaches far into the negative side: a small one.
+    ax.set_xlim(left=-0.15 * min(positive))
+
+
+def _fit_ticks(
+  fig,
+  axis: Axis,
+  values: Sequence[float],
+  label: Callable[[float], str],
+  *,
+  start: Sequence[float] | None = None,
+) -> list[float]:
+  """Labelled ticks at ``values``, thinned until no two labels touch.
+
+  Lays the figure out, measures the labels, keeps the first and the last and,
+  greedily, each one clear of the last kept (and at most ``_MAX_LABELS``
+  spread over the axis); the rest stay as unlabelled minor ticks. Returns the
+  labelled values.
+  """
+  from matplotlib.ticker import (
+    FixedLocator,
+    FuncFormatter,
+    NullFormatter,
+  )
+
+  values = sorted(set(values))
+  kept = sorted(set(start)) if start is not None else values
+  axis.set_major_formatter(FuncFormatter(lambda v, _pos: label(v)))
+  axis.set_minor_formatter(NullFormatter())
+  pad = 0.6 * 8 * fig.dpi / 72  # a little over half a label font's em
+  for _ in range(4):
+    axis.set_major_locator(FixedLocator(kept))
+    axis.set_minor_locator(FixedLocator([v for v in values if v not in kept]))
+    fig.draw_without_rendering()
+    spans = {}
+    for tick in axis.get_major_ticks():
+      text = tick.label1 if tick.label1.get_visible() else tick.label2
+      if text.get_visible() and text.get_text():
+        box = text.get_window_extent()
+        spans[tick.get_loc()] = (box.x0, box.x1)
+    if len(spans) != len(kept):
+      break  # a tick outside the view: leave the labels as they are
+    min_gap = 0.0
+    if len(kept) > _MAX_LABELS:
+      min_gap = axis.axes.bbox.width / _MAX_LABELS
+    thinned = _spread([spans[v] for v in kept], pad, min_gap)
+    if len(thinned) == len(kept):
+      break
+    kept = [kept[i] for i in thinned]
+  return kept
+
+
+def _spread(
+  spans: Sequence[tuple[float, float]], pad: float, min_gap: float
+) -> list[int]:
+  """Indices of labels (left, right extents, in axis order) to keep."""
+
+  def clear(i: int, j: int) -> bool:
+    (a0, a1), (b0, b1) = spans[i], spans[j]
+    centre_gap = (b0 + b1) / 2 - (a0 + a1) / 2
+    return b0 >= a1 + pad and centre_gap >= min_gap
+
+  keep = [0]
+  for j in range(1, len(spans)):
+    if clear(keep[-1], j):
+      keep.append(j)
+  last = len(spans) - 1
+  if keep[-1] != last:
+    while len(keep) > 1 and not clear(keep[-1], last):
+      keep.pop()
+    keep.append(last)
+  return keep
+
+
+def _count_label(value: float) -> str:
+  """``1,827`` below ten thousand, then ``18.3k``, ``0.9M`` style."""
+  if value < 10_000:
+    return f"{value:,.0f}" if value == round(value) else f"{value:.3g}"
+  for unit, scale in (("k", 1e3), ("M", 1e6), ("B", 1e9)):
+    mantissa = float(f"{value / scale:.3g}")
+    if mantissa < 1000 or unit == "B":
+      return f"{mantissa:g}{unit}"
+  raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _gib_label(value: float) -> str:
+  return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def _trace_stem(trace: str) -> str:
+  """``data/mooncake_trace.jsonl.gz`` -> ``mooncake_trace``."""
+  path = pathlib.PurePath(trace)
+  while path.suffix.lower() in _COMPRESSED:
+    path = path.with_suffix("")
+  return path.stem
+
+
+def _caption(
+  fig,
+  *,
+  block_size: int | None,
+  bytes_per_token: float | None,
+  warmup_fraction: float | None,
+  semantics: str | None,
+  underfilled: bool,
+) -> None:
+  """Small text under the axes: block size, measured window, semantics."""
+  parts = []
+  if block_size is not None:
+    parts.append(f"block size {block_size} tokens")
+  if bytes_per_token is not None:
+    parts.append(f"{bytes_per_token / 1024:.3g} KiB of KV per token")
+  if warmup_fraction is not None:
+    if warmup_fraction == 0:
+      parts.append("hits over all requests")
+    else:
+      measured = 100 * (1 - warmup_fraction)
+      parts.append(
+        f"hits over the last {measured:.3g}% of requests "
+        f"(the first {100 * warmup_fraction:.3g}% warm the cache)"
+      )
+  if semantics is not None:
+    parts.append(f"serving semantics: {semantics}")
+  if underfilled:
+    parts.append("x: the cache never filled in the warm-up, reported as 0 hits")
+  if not parts:
+    return
+  text = "; ".join(parts) + "."
+  text = text[0].upper() + text[1:]
+  fontsize = 7.5
+  width = int(fig.get_figwidth() * 72 / (0.5 * fontsize))
+  lines = textwrap.wrap(text, width)
+  fig.text(
+    0.01,
+    0.01,
+    "\n".join(lines),
+    ha="left",
+    va="bottom",
+    fontsize=fontsize,
+    color="0.25",
+  )
+  height = (len(lines) * 1.3 * fontsize + 4) / (fig.get_figheight() * 72)
+  fig.get_layout_engine().set(rect=(0, height + 0.01, 1, 0.99 - height))
+
+
+def _save(fig, path, also: Sequence[str]) -> list[str]:
+  """Writes ``path`` and its ``also`` siblings; checks every format first."""
+  import matplotlib
+
+  first = os.fspath(path)
+  targets = [first]
+  for ext in also:
+    sibling = os.fspath(pathlib.Path(first).with_suffix("." + ext.lstrip(".")))
+    if sibling not in targets:
+      targets.append(sibling)
+  kinds = fig.canvas.get_supported_filetypes()
+  formats = []
+  for target in targets:
+    ext = os.path.splitext(target)[1].lower().lstrip(".")
+    if ext not in kinds:
+      raise ValueError(
+        f"{target}: unknown figure format {ext or '(none)'!r}; "
+        f"use one of {', '.join(sorted(kinds))}"
+      )
+    formats.append(ext)
+  # TrueType fonts in PDF and PostScript: journals reject Type 3 fonts.
+  with matplotlib.rc_context({"pdf.fonttype": 42, "ps.fonttype": 42}):
+    for target, fmt in zip(targets, formats, strict=True):
+      fig.savefig(target, format=fmt, dpi=DPI, metadata=_METADATA.get(fmt))
+  return targets

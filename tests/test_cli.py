@@ -366,3 +366,13 @@ def test_cli_compile_cache_can_be_turned_off(tmp_path):
   assert not (tmp_path / "env").exists()
   subprocess.run(argv, check=True, env=env, capture_output=True)
   assert any((tmp_path / "env").iterdir())
+
+
+def test_cli_replay_plot_writes_png_and_pdf(tmp_path, capsys):
+  pytest.importorskip("matplotlib", reason="matplotlib is not installed")
+  png = tmp_path / "hits.png"
+  argv = ["replay", "--capacity", "50", "400", "--plot", str(png)]
+  assert cli.main(argv) == 0
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert (tmp_path / "hits.pdf").read_bytes()[:4] == b"%PDF"
+  assert f"wrote {png}, {tmp_path / 'hits.pdf'}" in capsys.readouterr().out
