@@ -73,7 +73,8 @@ def plot_hit_rates(
     ceiling: unbounded-cache hit rate, drawn as a labelled dashed line.
     trace: trace file name; its stem (no directory, no extension) titles
       the figure.
-    semantics: serving semantics, named in the caption.
+    semantics: the replay semantics (kvcache-sim, vllm, sglang), named in
+      the caption.
     warmup_fraction: share of requests that only warm the cache; the
       caption names the measured window.
     block_size: tokens per block, named in the caption; adds a top axis in
@@ -555,7 +556,7 @@ def _caption(
         f"(the first {100 * warmup_fraction:.3g}% warm the cache)"
       )
   if semantics is not None:
-    parts.append(f"serving semantics: {semantics}")
+    parts.append(f"{semantics} semantics")
   if underfilled:
     parts.append("x: the cache never filled in the warm-up, reported as 0 hits")
   if not parts:

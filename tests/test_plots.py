@@ -191,7 +191,7 @@ def test_title_and_caption_say_trace_block_size_window_and_semantics(rng):
   caption = _caption(fig)
   assert f"block size {block_size} tokens" in caption
   assert f"hits over the last {100 * (1 - warmup):g}% of requests" in caption
-  assert f"serving semantics: {semantics}" in caption
+  assert f"{semantics} semantics" in caption
   # The top axis reads the same capacities in tokens.
   assert top.get_xlabel() == "cache capacity (tokens)"
   assert _labels(top.xaxis) == [
@@ -336,7 +336,7 @@ def test_hit_rate_and_fragmentation_against_block_size(tmp_path, rng):
   assert list(frag.get_ydata()) == pytest.approx(
     [100 * b / 2 / mean_tokens for b in sizes]
   )
-  assert "serving semantics: sglang" in _caption(fig)
+  assert "sglang semantics" in _caption(fig)
   path = tmp_path / "block.png"
   assert plots.plot_hit_rate_vs_block_size(rows, path, also=("pdf",)) == [
     str(path),
