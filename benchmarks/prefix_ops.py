@@ -84,7 +84,7 @@ def main(argv=None):
   parser.add_argument(
     "--free-order",
     choices=pc.FREE_ORDERS,
-    help="default: 'append' for lru, 'prepend_unhashed' for other policies",
+    help="default: 'prepend_unhashed' (vLLM 0.33's order; 'append' is 0.22's)",
   )
   parser.add_argument(
     "--policy",

@@ -215,6 +215,14 @@ def _add_replay(subparsers) -> None:
     "request finishes (late)",
   )
   p.add_argument(
+    "--vllm-version",
+    default=None,
+    metavar="V",
+    help="vllm semantics: the vLLM release whose rules to follow "
+    "(default 0.33, the current one: freed blocks without a hash are "
+    "reused first; 0.22 for the older order)",
+  )
+  p.add_argument(
     "--warmup-fraction",
     type=_fraction,
     default=0.5,
@@ -299,6 +307,15 @@ def _check_replay_args(args) -> None:
       f"--publish {args.publish} is a vllm-semantics rule; "
       f"--semantics {args.semantics} has no publish choice"
     )
+  if args.vllm_version is not None:
+    if args.semantics != "vllm":
+      raise CliError(
+        f"--vllm-version is a vllm-semantics rule; --semantics "
+        f"{args.semantics} has none"
+      )
+    from prefixjax.cache.prefix_state import vllm_free_order
+
+    vllm_free_order(args.vllm_version)  # a ValueError names the choices
   if args.warmup_fraction >= 1.0:
     raise CliError(
       f"--warmup-fraction {args.warmup_fraction:g} leaves no request in the "
@@ -386,6 +403,7 @@ def _replay_serving(args, trace, load_s) -> int:
   import jax
 
   from prefixjax import replay as rp
+  from prefixjax.cache.prefix_state import DEFAULT_VLLM_VERSION
 
   policy, order = SERVING[args.semantics]
   if args.policy not in (None, [policy]):
@@ -418,9 +436,14 @@ def _replay_serving(args, trace, load_s) -> int:
       f"capacity={min(capacities)} blocks cannot hold the largest request "
       f"({fits} blocks of {block_size} tokens)"
     )
+  rules = {
+    "vllm": f"vLLM {args.vllm_version or DEFAULT_VLLM_VERSION}",
+    "sglang": "SGLang 0.5.23 RadixCache",
+  }[args.semantics]
   print(
     f"prefixjax replay: {trace.name} ({len(trace):,} requests, {source}), "
-    f"{args.semantics} semantics (one request at a time, policy {policy}), "
+    f"{args.semantics} semantics ({rules}; one request at a time, policy "
+    f"{policy}), "
     f"block {block_size}, warm-up {args.warmup_fraction:g}, "
     f"jax {jax.__version__} on {jax.default_backend()}",
     flush=True,
@@ -437,6 +460,7 @@ def _replay_serving(args, trace, load_s) -> int:
       capacities=[capacity],
       warmup_fraction=args.warmup_fraction,
       publish=args.publish,
+      vllm_version=args.vllm_version,
     )
     timing, points = timing + result.timing, points + list(result)
   return _report(args, trace, points, None, load_s, timing)

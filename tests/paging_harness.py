@@ -20,8 +20,9 @@ from reference_models.paging_model import PagingModel
 
 from prefixjax.cache import paging
 
-ALLOCATE, APPEND, FORK, COPY, RELEASE, PUBLISH, NOOP = range(7)
-NUM_KINDS = 7
+ALLOCATE, APPEND, FORK, COPY, RELEASE, PUBLISH, NOOP, RELEASE_HEAD = range(8)
+"""``RELEASE_HEAD``: ``release(..., unpublished_first=True)`` (vLLM >= 0.23)."""
+NUM_KINDS = 8
 
 
 @functools.partial(jax.jit, static_argnames=())
@@ -72,6 +73,10 @@ def run_stream(state: paging.PagingState, ops: jax.Array):
     def do_noop(s):
       return s, pack(jnp.int32(0))
 
+    def do_release_head(s):
+      s, r = paging.release(s, a, unpublished_first=True)
+      return s, pack(r.status, freed=r.freed_blocks)
+
     state, result = jax.lax.switch(
       kind,
       [
@@ -82,6 +87,7 @@ def run_stream(state: paging.PagingState, ops: jax.Array):
         do_release,
         do_publish,
         do_noop,
+        do_release_head,
       ],
       state,
     )
@@ -91,13 +97,27 @@ def run_stream(state: paging.PagingState, ops: jax.Array):
 
 
 def random_ops(
-  rng: np.random.Generator, length: int, sizes: dict
+  rng: np.random.Generator,
+  length: int,
+  sizes: dict,
+  head_releases: float = 0.0,
+  publish_share: float = 0.05,
 ) -> np.ndarray:
-  """A random stream biased to fill the pool, with some invalid arguments."""
+  """A random stream biased to fill the pool, with some invalid arguments.
+
+  ``head_releases`` of the releases are ``RELEASE_HEAD``
+  (``unpublished_first``); ``publish_share`` of the operations publish a
+  block (taken from the allocations).
+  """
   s, m, k = sizes["max_seqs"], sizes["max_blocks_per_seq"], sizes["block_size"]
   kinds = rng.choice(
-    NUM_KINDS - 1, size=length, p=[0.3, 0.3, 0.12, 0.06, 0.17, 0.05]
+    NOOP,
+    size=length,
+    p=[0.35 - publish_share, 0.3, 0.12, 0.06, 0.17, publish_share],
   )
+  if head_releases:
+    head = (kinds == RELEASE) & (rng.random(length) < head_releases)
+    kinds = np.where(head, RELEASE_HEAD, kinds)
   seq = rng.integers(-1, s + 1, size=length)  # includes out-of-range ids
   counts = rng.integers(0, 2 * k + 1, size=length)
   big = rng.random(length) < 0.03
@@ -121,6 +141,8 @@ def _apply_model(model: PagingModel, kind: int, a: int, b: int):
     return model.copy_on_write(a)
   if kind == RELEASE:
     return model.release(a)
+  if kind == RELEASE_HEAD:
+    return model.release(a, unpublished_first=True)
   if kind == PUBLISH:
     if 0 <= a < model.max_seqs and a in model.tables:
       held = -(-model.tokens[a] // model.block_size)

@@ -376,3 +376,36 @@ def test_cli_replay_plot_writes_png_and_pdf(tmp_path, capsys):
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert (tmp_path / "hits.pdf").read_bytes()[:4] == b"%PDF"
   assert f"wrote {png}, {tmp_path / 'hits.pdf'}" in capsys.readouterr().out
+
+
+def test_cli_vllm_version_selects_the_free_order(tmp_path, capsys):
+  """--vllm-version reaches the replay: 0.33 (the default) and 0.22 give
+  the library's points for that release; outside vllm it is refused."""
+  from prefixjax import default_workload
+
+  trace = default_workload()  # what the CLI replays without --trace
+  need = -(-int(trace.kv_tokens.max()) // 16)
+  capacities = [need, 3 * need]
+  lib = {
+    v: [
+      p.hit_tokens
+      for p in replay.replay(
+        trace, semantics="vllm", capacities=capacities, vllm_version=v
+      )
+    ]
+    for v in ("0.33", "0.22")
+  }
+  assert lib["0.33"] != lib["0.22"]  # the workload tells the orders apart
+  for version in ("0.33", "0.22", None):
+    out = tmp_path / f"{version}.json"
+    argv = ["replay", "--semantics", "vllm", "--json", str(out)]
+    argv += ["--capacity", *map(str, capacities)]
+    argv += ["--vllm-version", version] if version else []
+    assert cli.main(argv) == 0
+    got = [p["hit_tokens"] for p in json.loads(out.read_text())["points"]]
+    assert got == lib[version or "0.33"]
+  assert cli.main(["replay", "--vllm-version", "0.22"]) == 2
+  assert "--vllm-version is a vllm-semantics rule" in capsys.readouterr().err
+  bad = ["replay", "--semantics", "vllm", "--vllm-version", "0.x"]
+  assert cli.main(bad) == 2
+  assert "vllm_version='0.x' is not supported" in capsys.readouterr().err

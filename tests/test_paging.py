@@ -128,6 +128,35 @@ def test_release_is_tail_first_and_allocation_reuses_deepest_first():
   assert state.block_tables[1].tolist() == [5, 6, 7, 4]
 
 
+def test_release_unpublished_first_puts_unpublished_blocks_at_the_head():
+  """vLLM >= 0.23's order (0.33.0 ``BlockPool.free_blocks``): in reverse
+  table order, unpublished blocks go to the head keeping that order, the
+  published ones to the tail; the default keeps the tail-only order."""
+  state = paging.init(
+    num_blocks=8, block_size=2, max_seqs=2, max_blocks_per_seq=4
+  )
+  state, _ = paging.allocate(state, 0, 7)  # blocks 1..4
+  published = state.published.at[jnp.array([1, 3])].set(True)
+  state = state.replace(published=published)
+  for unpublished_first, queue in (
+    (False, [5, 6, 7, 4, 3, 2, 1]),
+    (True, [4, 2, 5, 6, 7, 3, 1]),
+  ):
+    s, r = checked.release(state, 0, unpublished_first=unpublished_first)
+    assert r.freed_blocks[: int(r.num_freed)].tolist() == [4, 3, 2, 1]
+    assert paging.free_queue_order(s) == queue
+    assert paging.check_invariants(s) == []
+  # The next allocation reuses the last unpublished block first.
+  s, _ = paging.allocate(s, 1, 3)
+  assert s.block_tables[1].tolist() == [4, 2, 0, 0]
+  # A block still shared is not freed, whatever its flag.
+  state, _ = paging.fork(state, 0, 1)
+  s, r = paging.release(state, 0, unpublished_first=True)
+  assert int(r.num_freed) == 0 and paging.free_queue_order(s) == [5, 6, 7]
+  with pytest.raises(TypeError, match="unpublished_first=1 must be a bool"):
+    checked.release(state, 0, unpublished_first=1)
+
+
 def test_fork_then_append_copies_only_the_shared_partial_block():
   state = paging.init(
     num_blocks=10, block_size=4, max_seqs=3, max_blocks_per_seq=4
@@ -186,6 +215,17 @@ def test_random_streams_match_model(sizes, rng):
   harness.compare_stream(sizes, ops, check_every=1)
 
 
+@pytest.mark.parametrize("sizes", SIZES[:4], ids=["a", "b", "c", "d"])
+def test_random_streams_with_unpublished_first_releases_match_model(sizes, rng):
+  """Both release orders mixed in one stream (half the releases
+  ``unpublished_first``), with many published blocks."""
+  ops = harness.random_ops(
+    rng, 1500, sizes, head_releases=0.5, publish_share=0.15
+  )
+  assert (ops[:, 0] == harness.RELEASE_HEAD).any()
+  harness.compare_stream(sizes, ops, check_every=1)
+
+
 def test_many_random_operations_match_model(rng):
   """10^5 random operations per CI run (PREFIXJAX_PAGING_OPS to change),
   full state compared with the model after every step."""
@@ -193,8 +233,8 @@ def test_many_random_operations_match_model(rng):
   per_config = int(os.environ.get("PREFIXJAX_PAGING_OPS", 100_000)) // len(
     SIZES
   )
-  for sizes in SIZES:
-    ops = harness.random_ops(rng, per_config, sizes)
+  for i, sizes in enumerate(SIZES):
+    ops = harness.random_ops(rng, per_config, sizes, head_releases=i % 2 / 2)
     total += harness.compare_stream(sizes, ops, check_every=97)
   assert total >= per_config * len(SIZES)
   print(f"compared {total} operations with 0 violations")
@@ -271,6 +311,11 @@ class PagingMachine(hypothesis.stateful.RuleBasedStateMachine):
 
   @hypothesis.stateful.precondition(lambda self: self.has_live())
   @hypothesis.stateful.rule(data=st.data())
+  def release_unpublished_first(self, data):
+    self._run(harness.RELEASE_HEAD, self._live(data), 0)
+
+  @hypothesis.stateful.precondition(lambda self: self.has_live())
+  @hypothesis.stateful.rule(data=st.data())
   def publish(self, data):
     col = data.draw(st.integers(0, self.SIZES["max_blocks_per_seq"] - 1))
     self._run(harness.PUBLISH, self._live(data), col)
@@ -305,6 +350,9 @@ def test_each_verb_compiles_once_across_inputs(rng):
     "fork": lambda s, a, b: paging.fork(s, a, b),
     "copy_on_write": lambda s, a, b: paging.copy_on_write(s, a),
     "release": lambda s, a, b: paging.release(s, a),
+    "release_unpublished_first": lambda s, a, b: paging.release(
+      s, a, unpublished_first=True
+    ),
   }
   for name, verb in verbs.items():
     traced = jax.jit(chex.assert_max_traces(verb, n=1))

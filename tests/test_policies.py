@@ -430,7 +430,9 @@ def test_registry_and_init_errors():
   with pytest.raises(TypeError, match="policy"):
     pc.init(8, K, max_seqs=1, max_blocks_per_seq=M, policy=3)
   state = pc.init(8, K, max_seqs=1, max_blocks_per_seq=M)
-  assert state.policy is policies.lru() and state.free_order == "append"
+  # vLLM 0.33's order is the default since issue 13 (0.22's was "append").
+  assert state.policy is policies.lru()
+  assert state.free_order == "prepend_unhashed"
   with pytest.raises(ValueError, match="next_use"):
     checked.allocate_with_prefix(
       state, 0, jnp.zeros((1, 2), jnp.uint32), 4, next_use=jnp.zeros((2, 2))

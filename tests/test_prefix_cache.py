@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from reference_models import vllm_apc
 
-from prefixjax.cache import hashing, prefix_state
+from prefixjax.cache import hashing, paging, prefix_state
 from prefixjax.cache import index as index_lib
 from prefixjax.cache import prefix_cache as pc
 
@@ -129,7 +129,7 @@ def _ring(nxt, head):
   return out
 
 
-def compare_workload(reqs, num_blocks, max_seqs=2, free_order="append"):
+def compare_workload(reqs, num_blocks, free_order, max_seqs=2):
   n = len(reqs)
   tokens = np.zeros((n, T), np.int32)
   for i, r in enumerate(reqs):
@@ -231,10 +231,96 @@ def compare_workload(reqs, num_blocks, max_seqs=2, free_order="append"):
 
 @pytest.mark.parametrize(
   "num_blocks, free_order",
-  [(7, "append"), (24, "append"), (13, "prepend_unhashed")],
-  ids=["N7-append", "N24-append", "N13-prepend_unhashed"],
+  [
+    (7, "append"),
+    (24, "append"),
+    (7, "prepend_unhashed"),
+    (13, "prepend_unhashed"),
+  ],
+  ids=[
+    "N7-append",
+    "N24-append",
+    "N7-prepend_unhashed",
+    "N13-prepend_unhashed",
+  ],
 )
 def test_random_workloads_match_vllm_oracle(rng, num_blocks, free_order):
   reqs = make_workload(rng, 400, num_blocks)
   hits = compare_workload(reqs, num_blocks, free_order=free_order)
   assert hits > 0
+
+
+def test_default_release_order_is_vllm_033s():
+  """vLLM 0.33.0 ``BlockPool.free_blocks``: a released request's blocks
+  without a hash go to the queue head (its last block first), hashed ones
+  to the tail; 0.22 appends everything at the tail."""
+  keys = _keys(np.arange(10), 10)
+  queues = {}
+  for version in (None, "latest", "0.33", "0.23.1", "0.22", "0.8"):
+    s = pc.init(8, K, max_seqs=1, max_blocks_per_seq=M, vllm_version=version)
+    s, _ = pc.allocate_with_prefix(s, jnp.int32(0), keys, jnp.int32(10))
+    s, _ = pc.publish(s, jnp.int32(0), keys, jnp.int32(10))  # blocks 1, 2
+    s, r = pc.release(s, jnp.int32(0))
+    assert r.freed_blocks[:3].tolist() == [3, 2, 1]
+    queues[version] = paging.free_queue_order(s.paging)
+    assert pc.check_invariants(s) == []
+    assert pc.stats_dict(s)["num_cached_free"] == 2
+  head_first = [3, 4, 5, 6, 7, 2, 1]
+  assert queues == {
+    None: head_first,
+    "latest": head_first,
+    "0.33": head_first,
+    "0.23.1": head_first,
+    "0.22": [4, 5, 6, 7, 3, 2, 1],
+    "0.8": [4, 5, 6, 7, 3, 2, 1],
+  }
+  oracle = vllm_apc.VllmPrefixCache(8, K)  # the oracle's default: 0.33
+  oracle.run_request(list(range(10)), [99])
+  assert oracle.free_queue_order() == head_first
+
+
+def test_vllm_version_table_and_refusals():
+  assert pc.VLLM_FREE_ORDERS == {"0.33": "prepend_unhashed", "0.22": "append"}
+  assert pc.DEFAULT_VLLM_VERSION == "0.33"
+  for version, order in pc.VLLM_FREE_ORDERS.items():
+    assert pc.vllm_free_order(version) == order
+  assert pc.init(8, K, max_seqs=1, max_blocks_per_seq=M).free_order == (
+    "prepend_unhashed"
+  )
+  s = pc.init(8, K, max_seqs=1, max_blocks_per_seq=M, free_order="append")
+  assert s.free_order == "append"
+  # Both given: they must agree.
+  s = pc.init(
+    8,
+    K,
+    max_seqs=1,
+    max_blocks_per_seq=M,
+    free_order="append",
+    vllm_version="0.22",
+  )
+  assert s.free_order == "append"
+  with pytest.raises(ValueError, match="contradicts vllm_version='0.33'"):
+    pc.init(
+      8,
+      K,
+      max_seqs=1,
+      max_blocks_per_seq=M,
+      free_order="append",
+      vllm_version="0.33",
+    )
+  for bad in ("0.34", "0.7", "1.0", "0.33.x", "v0.33", "latest "):
+    with pytest.raises(ValueError, match="'0.23' .. '0.33'.*'0.8' .. '0.22'"):
+      pc.init(8, K, max_seqs=1, max_blocks_per_seq=M, vllm_version=bad)
+  with pytest.raises(TypeError, match="vllm_version must be a string"):
+    pc.init(8, K, max_seqs=1, max_blocks_per_seq=M, vllm_version=0.33)
+  with pytest.raises(ValueError, match="scoring policy needs"):
+    pc.init(
+      8,
+      K,
+      max_seqs=1,
+      max_blocks_per_seq=M,
+      policy="fifo",
+      vllm_version="0.22",
+    )
+  s = pc.init(8, K, max_seqs=1, max_blocks_per_seq=M, policy="fifo")
+  assert s.free_order == "prepend_unhashed"

@@ -349,7 +349,8 @@ def test_stats_count_hits_misses_evictions_and_pins():
 
 
 def test_fork_and_copy_on_write_evict_popped_identities():
-  s = pc.init(N, K, max_seqs=S, max_blocks_per_seq=M)
+  # The block ids below follow vLLM 0.22's release order (all at the tail).
+  s = pc.init(N, K, max_seqs=S, max_blocks_per_seq=M, vllm_version="0.22")
   a = _device_keys(np.arange(13, dtype=np.int32), 0)
   s, _ = pc.allocate_with_prefix(s, 0, a, 13)  # blocks 1-4, 1-3 cached
   s, _ = pc.publish(s, 0, a, 13)
@@ -385,11 +386,23 @@ def test_a_64_bit_key_collision_is_a_false_hit_never_a_corruption():
   assert pc.check_invariants(s) == []
 
 
-def test_mooncake_hash_ids_match_the_oracle(rng):
+@pytest.mark.parametrize(
+  "vllm_version, free_order",
+  [
+    (None, "prepend_unhashed"),
+    ("0.33", "prepend_unhashed"),
+    ("0.22", "append"),
+  ],
+)
+def test_mooncake_hash_ids_match_the_oracle(rng, vllm_version, free_order):
   """Trace ids chained on the device equal the oracle's id keys when ids
-  name prefixes (as Mooncake's do)."""
-  state = pc.init(N, K, max_seqs=S, max_blocks_per_seq=M)
-  oracle = vllm_apc.VllmPrefixCache(N, K, free_order="append")
+  name prefixes (as Mooncake's do); the free queue follows the release
+  order of the vLLM version (default 0.33's)."""
+  state = pc.init(
+    N, K, max_seqs=S, max_blocks_per_seq=M, vllm_version=vllm_version
+  )
+  assert state.free_order == free_order
+  oracle = vllm_apc.VllmPrefixCache(N, K, free_order=free_order)
   intern: dict = {}
   for _ in range(60):
     prompt = rng.integers(0, 3, size=int(rng.integers(1, 30))).tolist()
@@ -428,7 +441,9 @@ def test_each_verb_compiles_once(rng):
     keys, _ = hashing.block_hashes(jnp.asarray(toks), n, block_size=K)
     seq = [0, np.int32(1), np.int64(2)][i % 3]
     s, _ = checked.allocate_with_prefix(s, seq, keys, n)
-    s, _ = checked.publish(s, seq, keys[: 3 + i % 2], n)  # padded to [M, 2]
+    # Fewer rows than M (but a key for every full block): padded to [M, 2].
+    rows = max(3 + i % 2, n // K)
+    s, _ = checked.publish(s, seq, keys[:rows], n)
     s, _ = checked.append(s, seq, 3)
     traced_match(s, keys, jnp.int32(n))
     s, _ = checked.release(s, seq)
@@ -476,6 +491,62 @@ def test_boundary_errors():
     pc.init(N, K, max_seqs=S, max_blocks_per_seq=M, index_load=0.9)
   with pytest.raises(ValueError, match="capacity=16 too small"):
     pc.init(N, K, max_seqs=S, max_blocks_per_seq=M, index_capacity=16)
+
+
+def _prompt_keys(rng, num_tokens):
+  tokens = jnp.asarray(rng.integers(0, 50, size=M * K), jnp.int32)
+  keys, _ = hashing.block_hashes(tokens, num_tokens, block_size=K)
+  return keys
+
+
+def test_missing_keys_are_refused_never_padded(rng):
+  """Found by a new user: 2 or 0 keys for 3 full blocks used to be padded
+  with (0, 0) keys, published, and later "hit" by all-(0, 0) prompts."""
+  s = pc.init(N, K, max_seqs=S, max_blocks_per_seq=M)
+  full = int(rng.integers(2, M + 1))
+  num_tokens = full * K + int(rng.integers(0, K))
+  keys = _prompt_keys(rng, num_tokens)
+  short = keys[: int(rng.integers(0, full))]
+  for verb, args in (
+    (checked.match, (s, short, num_tokens)),
+    (checked.allocate_with_prefix, (s, 0, short, num_tokens)),
+  ):
+    with pytest.raises(ValueError, match=f"{full} full blocks of {K} tokens"):
+      verb(*args)
+  s, r = checked.allocate_with_prefix(s, 0, keys, num_tokens)
+  assert int(r.status) == paging.Status.OK
+  with pytest.raises(ValueError, match=f"has {full} full blocks"):
+    checked.publish(s, 0, short, num_tokens)
+  s, r = checked.publish(s, 0, keys, num_tokens)
+  assert int(r.status) == paging.Status.OK
+  zeros = jnp.zeros((M, 2), jnp.uint32)
+  assert int(checked.match(s, zeros, M * K).hit_tokens) == 0
+
+
+def test_publishing_more_tokens_than_held_is_an_error(rng):
+  s = pc.init(N, K, max_seqs=S, max_blocks_per_seq=M)
+  held = int(rng.integers(1, M * K - K))
+  keys = _prompt_keys(rng, M * K)
+  s, _ = checked.allocate_with_prefix(s, 0, keys, held)
+  too_many = int(rng.integers(held + 1, M * K + 1))
+  with pytest.raises(ValueError, match=f"num_tokens={too_many} but sequence"):
+    checked.publish(s, 0, keys, too_many)
+  # Inside jit it is a status, and nothing is published.
+  new, r = pc.publish(s, jnp.int32(0), keys, jnp.int32(too_many))
+  assert int(r.status) == paging.Status.BAD_COUNT
+  assert int(new.stats.num_cached) == int(s.stats.num_cached)
+  assert pc.check_invariants(new) == []
+
+
+def test_batch_view_refuses_sequence_ids_out_of_range(rng):
+  from prefixjax.cache.checked import paging as checked_paging
+
+  s = paging.init(num_blocks=8, block_size=4, max_seqs=3, max_blocks_per_seq=2)
+  bad = int(rng.choice([-1, 3, 4, 100]))
+  with pytest.raises(ValueError, match=rf"seq_ids\[1\]={bad} is outside"):
+    checked_paging.batch_view(s, jnp.array([0, bad], jnp.int32))
+  view = checked_paging.batch_view(s, jnp.array([2, 0], jnp.int32))
+  assert view.lengths.tolist() == [0, 0]
 
 
 class PrefixCacheMachine(hypothesis.stateful.RuleBasedStateMachine):

@@ -1,4 +1,10 @@
-"""vLLM-semantics trace replay against the plain-Python vLLM v1 oracle."""
+"""vLLM-semantics trace replay against the plain-Python vLLM v1 oracle.
+
+Every oracle comparison runs for both release orders: ``vllm_version="0.33"``
+(the default; unhashed freed blocks at the queue head, vLLM >= 0.23) against
+``VllmPrefixCache(free_order="prepend_unhashed")`` and ``"0.22"`` against
+``free_order="append"``.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +19,15 @@ from prefixjax.workloads import Trace, generate_workload, load_mooncake
 
 MOONCAKE = "mooncake_conversation_trace.jsonl"
 
+# Written here from the vLLM sources (block_pool.py BlockPool.free_blocks of
+# 0.22.0 and 0.33.0), independently of prefix_state.VLLM_FREE_ORDERS.
+ORDERS = {"0.33": "prepend_unhashed", "0.22": "append"}
+VERSIONS = tuple(ORDERS)
 
-def _oracle_hits(trace, block_size, capacity):
+
+def _oracle_hits(trace, block_size, capacity, vllm_version):
   cache = vllm_apc.VllmPrefixCache.from_capacity(
-    capacity, block_size, free_order="append"
+    capacity, block_size, free_order=ORDERS[vllm_version]
   )
   hits = []
   for r in range(len(trace)):
@@ -30,8 +41,9 @@ def _oracle_hits(trace, block_size, capacity):
   return hits
 
 
+@pytest.mark.parametrize("vllm_version", VERSIONS)
 @pytest.mark.parametrize("kind", ["multi_turn", "system_prompt"])
-def test_matches_vllm_oracle(kind, rng):
+def test_matches_vllm_oracle(kind, vllm_version, rng):
   trace = generate_workload(
     kind, num_requests=60, seed=int(rng.integers(0, 2**31))
   )
@@ -42,10 +54,14 @@ def test_matches_vllm_oracle(kind, rng):
   need = -(-largest // block_size)
   capacities = [need, need + 40, 4 * need]
   points = replay_vllm(
-    trace, block_size=block_size, capacities=capacities, warmup_fraction=0.0
+    trace,
+    block_size=block_size,
+    capacities=capacities,
+    warmup_fraction=0.0,
+    vllm_version=vllm_version,
   )
   for capacity, point in zip(capacities, points, strict=True):
-    want = _oracle_hits(trace, block_size, capacity)
+    want = _oracle_hits(trace, block_size, capacity, vllm_version)
     assert point.per_request_hit_tokens.tolist() == want, capacity
 
 
@@ -107,26 +123,32 @@ def test_hash_id_trace_refusals():
     replay_vllm(negative, block_size=4, capacities=[16])
 
 
-def test_hash_ids_partial_and_decode_blocks_never_hit():
+@pytest.mark.parametrize("vllm_version", VERSIONS)
+def test_hash_ids_partial_and_decode_blocks_never_hit(vllm_version):
   """K = 4. Request 0's partial prompt block (id 3) fills during decode and
   gets a fresh key, so request 1 misses it; request 1 caches id 3 as a full
   block, so request 2 hits it; request 3 repeats request 2 and, its prompt
-  being whole blocks, hits all but the last one."""
+  being whole blocks, hits all but the last one (64 blocks: no eviction, so
+  both release orders agree)."""
   ids = [[1, 2, 3], [1, 2, 3, 9], [1, 2, 3, 4], [1, 2, 3, 4]]
   prompt_lens, output_lens = [10, 13, 16, 16], [7, 1, 1, 0]
   trace = _hashed(ids, prompt_lens, output_lens, block_size=4)
   (point,) = replay_vllm(
-    trace, block_size=4, capacities=[64], warmup_fraction=0.0
+    trace,
+    block_size=4,
+    capacities=[64],
+    warmup_fraction=0.0,
+    vllm_version=vllm_version,
   )
   assert point.per_request_hit_tokens.tolist() == [0, 8, 12, 12]
   assert point.per_request_hit_tokens.tolist() == _oracle_hits_hashed(
-    trace, 4, 64
+    trace, 4, 64, vllm_version
   )
 
 
-def _oracle_hits_hashed(trace, block_size, capacity):
+def _oracle_hits_hashed(trace, block_size, capacity, vllm_version):
   cache = vllm_apc.VllmPrefixCache.from_capacity(
-    capacity, block_size, free_order="append"
+    capacity, block_size, free_order=ORDERS[vllm_version]
   )
   return [
     cache.run_request_hashed(
@@ -173,22 +195,28 @@ def _random_hashed_trace(rng, num_requests, block_size, wide_ids):
   return _hashed(ids, prompt_lens, output_lens, block_size)
 
 
+@pytest.mark.parametrize("vllm_version", VERSIONS)
 @pytest.mark.parametrize("wide_ids", [False, True], ids=["small", "wide"])
-def test_hash_id_trace_matches_vllm_oracle(wide_ids, rng):
+def test_hash_id_trace_matches_vllm_oracle(wide_ids, vllm_version, rng):
   block_size = int(rng.choice([1, 3, 4, 16]))
   trace = _random_hashed_trace(rng, 80, block_size, wide_ids)
   held = trace.input_lengths + np.maximum(trace.output_lengths, 1) - 1
   need = -(-int(held.max()) // block_size)
   capacities = [need, need + int(rng.integers(1, 4)), 3 * need]
   points = replay_vllm(
-    trace, block_size=block_size, capacities=capacities, warmup_fraction=0.0
+    trace,
+    block_size=block_size,
+    capacities=capacities,
+    warmup_fraction=0.0,
+    vllm_version=vllm_version,
   )
   for capacity, point in zip(capacities, points, strict=True):
-    want = _oracle_hits_hashed(trace, block_size, capacity)
+    want = _oracle_hits_hashed(trace, block_size, capacity, vllm_version)
     assert point.per_request_hit_tokens.tolist() == want, capacity
 
 
-def test_mooncake_prefix_matches_vllm_oracle():
+@pytest.mark.parametrize("vllm_version", VERSIONS)
+def test_mooncake_prefix_matches_vllm_oracle(vllm_version):
   path = shared_trace(MOONCAKE)
   if path is None:
     pytest.skip(f"real trace {MOONCAKE} not found in {shared_traces_dir()}")
@@ -197,10 +225,14 @@ def test_mooncake_prefix_matches_vllm_oracle():
   need = -(-int(held.max()) // 512)
   capacities = [need, 4 * need]
   points = replay_vllm(
-    trace, block_size=512, capacities=capacities, warmup_fraction=0.0
+    trace,
+    block_size=512,
+    capacities=capacities,
+    warmup_fraction=0.0,
+    vllm_version=vllm_version,
   )
   for capacity, point in zip(capacities, points, strict=True):
-    want = _oracle_hits_hashed(trace, 512, capacity)
+    want = _oracle_hits_hashed(trace, 512, capacity, vllm_version)
     assert point.per_request_hit_tokens.tolist() == want, capacity
     assert point.hit_tokens > 0
 
@@ -242,18 +274,26 @@ def test_early_publishing_lets_an_overlapping_request_share():
   assert hits == {"early": 12, "late": 0}
 
 
-def test_duplicate_key_becomes_findable_when_the_first_is_evicted():
+@pytest.mark.parametrize("vllm_version", VERSIONS)
+def test_duplicate_key_becomes_findable_when_the_first_is_evicted(
+  vllm_version,
+):
   """K = 4, 3 blocks. Request 1 re-sends request 0's whole-block prompt: it
   hits block 0 only (the cap) and publishes key 2 again on a fresh block,
   a duplicate. Request 2 pops the first carrier of key 2, so request 3
-  finds the duplicate and hits both blocks."""
+  finds the duplicate and hits both blocks. Every block is full (hashed),
+  so both release orders agree."""
   ids = [[1, 2], [1, 2], [9], [1, 2, 5]]
   trace = _hashed(ids, [8, 8, 4, 12], [1, 1, 1, 1], block_size=4)
   (point,) = replay_vllm(
-    trace, block_size=4, capacities=[3], warmup_fraction=0.0
+    trace,
+    block_size=4,
+    capacities=[3],
+    warmup_fraction=0.0,
+    vllm_version=vllm_version,
   )
   assert point.per_request_hit_tokens.tolist() == [0, 4, 0, 8]
-  assert _oracle_hits_hashed(trace, 4, 3) == [0, 4, 0, 8]
+  assert _oracle_hits_hashed(trace, 4, 3, vllm_version) == [0, 4, 0, 8]
 
 
 def test_refuses_a_hash_id_repeated_within_a_request():
@@ -265,15 +305,18 @@ def test_refuses_a_hash_id_repeated_within_a_request():
   replay_vllm(ok, block_size=4, capacities=[16])
 
 
+@pytest.mark.parametrize("vllm_version", VERSIONS)
 @pytest.mark.parametrize("kind", ["multi_turn", "system_prompt", "hashed"])
-def test_engine_equals_general_verbs(kind, rng):
-  """The specialised engine against the general prefix-cache verbs (either
-  publish mode) on random traces, a tight pool and a roomy one."""
+def test_engine_equals_general_verbs_and_oracle(kind, vllm_version, rng):
+  """Per request, the specialised engine, the general prefix-cache verbs
+  (either publish mode) and the vLLM oracle agree on random traces, in a
+  tight pool and a roomy one."""
   if kind == "hashed":
     block_size = int(rng.choice([1, 2, 4]))
     trace = _random_hashed_trace(rng, 120, block_size, wide_ids=False)
-  else:
-    block_size = int(rng.choice([4, 8]))
+  else:  # K >= 8: the oracle's nested-tuple keys of K = 4 chains of 3,000
+    # tokens exceed Python's recursion limit when compared
+    block_size = int(rng.choice([8, 16]))
     trace = generate_workload(
       kind, num_requests=50, seed=int(rng.integers(0, 2**31))
     )
@@ -281,15 +324,21 @@ def test_engine_equals_general_verbs(kind, rng):
   need = -(-int(held.max()) // block_size)
   capacities = [need + int(rng.integers(0, 4)), 2 * need]
   publish = str(rng.choice(serving_replay.PUBLISH_MODES))
-  fast = vllm_replay.replay_hits(trace, block_size, capacities)
-  general = serving_replay.general_hits(
-    trace, block_size, capacities, publish=publish
+  fast = vllm_replay.replay_hits(
+    trace, block_size, capacities, free_order=ORDERS[vllm_version]
   )
+  general = serving_replay.general_hits(
+    trace, block_size, capacities, publish=publish, vllm_version=vllm_version
+  )
+  oracle = _oracle_hits if trace.has_token_ids else _oracle_hits_hashed
   for capacity, a, b in zip(capacities, fast, general, strict=True):
     assert a.tolist() == b.tolist(), capacity
+    want = oracle(trace, block_size, capacity, vllm_version)
+    assert a.tolist() == want, capacity
 
 
-def test_tight_pool_stress_matches_vllm_oracle(rng):
+@pytest.mark.parametrize("vllm_version", VERSIONS)
+def test_tight_pool_stress_matches_vllm_oracle(vllm_version, rng):
   """Many requests through pools barely larger than the largest request:
   every request evicts, orphaned suffix blocks and duplicate keys abound."""
   block_size = int(rng.choice([1, 2, 3]))
@@ -297,7 +346,92 @@ def test_tight_pool_stress_matches_vllm_oracle(rng):
   held = trace.input_lengths + np.maximum(trace.output_lengths, 1) - 1
   need = -(-int(held.max()) // block_size)
   capacities = [need, need + 1, need + 5, 2 * need]
-  hits = vllm_replay.replay_hits(trace, block_size, capacities)
+  hits = vllm_replay.replay_hits(
+    trace, block_size, capacities, free_order=ORDERS[vllm_version]
+  )
   for capacity, got in zip(capacities, hits, strict=True):
-    want = _oracle_hits_hashed(trace, block_size, capacity)
+    want = _oracle_hits_hashed(trace, block_size, capacity, vllm_version)
     assert got.tolist() == want, capacity
+
+
+def _tokens_trace(prompts, outputs):
+  return Trace(
+    arrival_times_s=np.zeros(len(prompts)),
+    input_lengths=np.asarray([len(p) for p in prompts]),
+    output_lengths=np.asarray([len(o) for o in outputs]),
+    input_token_ids=[np.asarray(p, np.int32) for p in prompts],
+    output_token_ids=[np.asarray(o, np.int32) for o in outputs],
+    name="tokens",
+  )
+
+
+def test_release_order_is_observable_and_cached_per_version():
+  """K = 2, 3 blocks. Request 0 leaves block 1 hashed and block 2 partial.
+  vLLM 0.22 queues both at the tail, so request 1 takes block 3 and request
+  2 then takes blocks 2 and 1, evicting request 0's prefix; vLLM 0.33
+  queues block 2 at the head, request 1 takes it, request 2 takes 3 and 2,
+  and request 3 hits block 1. Both versions run on one prepared shape
+  back to back (each compiles its own program)."""
+  trace = _tokens_trace(
+    [[1, 1, 1], [7], [9, 9, 9], [1, 1, 1]], [[0], [0], [0], [0]]
+  )
+  want = {"0.22": [0, 0, 0, 0], "0.33": [0, 0, 0, 2]}
+  for version in ("0.22", "0.33", "latest", "0.23", "0.8", "0.22.0"):
+    (point,) = replay_vllm(
+      trace,
+      block_size=2,
+      capacities=[3],
+      warmup_fraction=0.0,
+      vllm_version=version,
+    )
+    release = "0.33" if version in ("0.33", "latest", "0.23") else "0.22"
+    assert point.per_request_hit_tokens.tolist() == want[release], version
+    assert _oracle_hits(trace, 2, 3, release) == want[release]
+    general = serving_replay.general_hits(trace, 2, [3], vllm_version=version)
+    assert general[0].tolist() == want[release], version
+  default = replay_vllm(
+    trace, block_size=2, capacities=[3], warmup_fraction=0.0
+  )
+  assert default[0].per_request_hit_tokens.tolist() == want["0.33"]
+  keys = {
+    order: vllm_replay.ENGINE.prepare(
+      trace, [3], block_size=2, free_order=order
+    )
+    for order in ORDERS.values()
+  }
+  assert keys["append"].static["free_order"] == "append"
+  assert keys["append"].shape_key != keys["prepend_unhashed"].shape_key
+
+
+def test_release_orders_differ_on_a_generated_workload(rng):
+  """The switch changes hits on an ordinary workload in a tight pool (the
+  partly filled last block of every request is reused first in 0.33)."""
+  trace = generate_workload(
+    "multi_turn", num_requests=80, seed=int(rng.integers(0, 2**31))
+  )
+  held = trace.input_lengths + np.maximum(trace.output_lengths, 1) - 1
+  capacity = -(-int(held.max()) // 8) + 8
+  hits = {
+    version: replay_vllm(
+      trace,
+      block_size=8,
+      capacities=[capacity],
+      warmup_fraction=0.0,
+      vllm_version=version,
+    )[0].per_request_hit_tokens.tolist()
+    for version in VERSIONS
+  }
+  assert hits["0.33"] != hits["0.22"]
+  for version, got in hits.items():
+    assert got == _oracle_hits(trace, 8, capacity, version), version
+
+
+def test_refuses_unknown_vllm_versions():
+  trace = _tokens_trace([[1, 2, 3]], [[4]])
+  for bad in ("0.34", "1.0", "0.7", "v0.33", "newest", ""):
+    with pytest.raises(ValueError, match=rf"vllm_version='{bad}' is not"):
+      replay_vllm(trace, block_size=2, capacities=[4], vllm_version=bad)
+    with pytest.raises(ValueError, match="'0.23' .. '0.33'"):
+      serving_replay.general_hits(trace, 2, [4], vllm_version=bad)
+  with pytest.raises(TypeError, match="vllm_version must be a string"):
+    replay_vllm(trace, block_size=2, capacities=[4], vllm_version=0.33)

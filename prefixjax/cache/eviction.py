@@ -7,9 +7,10 @@ leaf/parent links of ``leaf_only`` policies, the victim tree of
 ``static_score`` policies, touching hit blocks, and promoting a scoring
 policy's victims to the free-queue head before the paging pops.
 
-Each function takes the cache state (``push_free_head``: its paging state)
-and returns the new one; ``ok`` / ``lanes`` / ``count`` arguments mask the
-work, so a failed verb changes nothing.
+Each function takes the cache state (``push_free_head``, which lives in
+:mod:`prefixjax.cache.paging`: its paging state) and returns the new one;
+``ok`` / ``lanes`` / ``count`` arguments mask the work, so a failed verb
+changes nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from prefixjax._masked import (
 from prefixjax.cache import index as index_lib
 from prefixjax.cache import paging, victim_tree
 from prefixjax.cache import policies as policies_lib
+from prefixjax.cache.paging import push_free_head
 from prefixjax.cache.prefix_state import (
   PrefixCacheState,
   add_stats,
@@ -249,24 +251,3 @@ def touch(state: PrefixCacheState, blocks: jax.Array, count):
   )
   state = state.replace(paging=pstate, stats=stats)
   return refresh_tree(state, blocks, zero)
-
-
-def push_free_head(pstate: paging.PagingState, blocks, count):
-  """Puts ``blocks[:count]`` at the queue head, keeping their order."""
-  n = blocks.shape[0]
-  lanes = jnp.arange(n) < count
-  old_head, old_tail = pstate.free_head, pstate.free_tail
-  next_of = jnp.concatenate([blocks[1:], jnp.full((1,), NO_BLOCK, jnp.int32)])
-  next_of = jnp.where(jnp.arange(n) + 1 < count, next_of, old_head)
-  prev_of = jnp.concatenate([jnp.full((1,), NO_BLOCK, jnp.int32), blocks[:-1]])
-  any_new = count > 0
-  first = blocks[0]
-  last = gather(blocks, (count - 1)[None], NO_BLOCK)[0]
-  free_prev = scatter(pstate.free_prev, blocks, prev_of, lanes)
-  return pstate.replace(
-    free_next=scatter(pstate.free_next, blocks, next_of, lanes),
-    free_prev=scatter(free_prev, old_head[None], last, any_new),
-    free_head=jnp.where(any_new, first, old_head),
-    free_tail=jnp.where(any_new & (old_tail == NO_BLOCK), last, old_tail),
-    num_free=pstate.num_free + count,
-  )

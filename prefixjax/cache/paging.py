@@ -26,8 +26,10 @@ Semantics (see ``DESIGN.md``):
   list (``free_next`` / ``free_prev`` with ``free_head`` / ``free_tail``).
   Allocation pops from the head. Release appends the blocks that reach
   refcount 0 at the tail in reverse table order (the sequence's last block
-  first), as vLLM v1's ``KVCacheManager.free`` does, so a released
-  sequence's deepest blocks are reused first.
+  first), as vLLM v1's ``KVCacheManager.free`` does up to vLLM 0.22, so a
+  released sequence's deepest blocks are reused first. With
+  ``release(..., unpublished_first=True)`` (vLLM >= 0.23's order, see
+  :func:`release`) the unpublished ones go to the head instead.
 * A block may be written only while its refcount is 1 and it is not
   ``published`` (carries a hash in a prefix index). Otherwise the writer gets
   a fresh block first (copy on write) and the verb returns the ``(src, dst)``
@@ -220,8 +222,10 @@ class ReleaseResult(NamedTuple):
 
   Attributes:
     status: ``[]`` int32 :class:`Status`.
-    freed_blocks: ``[M]`` int32 blocks that reached refcount 0, in the order
-      they joined the free queue tail, ``NO_BLOCK`` beyond ``num_freed``.
+    freed_blocks: ``[M]`` int32 blocks that reached refcount 0 in reverse
+      table order (the order they joined the queue tail; with
+      ``unpublished_first`` the unpublished ones, in this order, were put at
+      the head instead), ``NO_BLOCK`` beyond ``num_freed``.
     num_freed: ``[]`` int32.
   """
 
@@ -422,6 +426,33 @@ def push_free_tail(state: PagingState, blocks: jax.Array, count: jax.Array):
   )
 
 
+def push_free_head(state: PagingState, blocks: jax.Array, count: jax.Array):
+  """Puts ``blocks[:count]`` (``[L]`` int32) at the queue head, keeping
+  their order (``blocks[0]`` becomes the head), as vLLM's
+  ``FreeKVCacheBlockQueue.prepend_n`` (``vllm/v1/core/kv_cache_utils.py``,
+  0.33.0).
+
+  The caller guarantees the blocks have refcount 0 and are not queued.
+  """
+  n = blocks.shape[0]
+  lanes = jnp.arange(n) < count
+  old_head, old_tail = state.free_head, state.free_tail
+  next_of = jnp.concatenate([blocks[1:], jnp.full((1,), NO_BLOCK, jnp.int32)])
+  next_of = jnp.where(jnp.arange(n) + 1 < count, next_of, old_head)
+  prev_of = jnp.concatenate([jnp.full((1,), NO_BLOCK, jnp.int32), blocks[:-1]])
+  any_new = count > 0
+  first = blocks[0]
+  last = gather(blocks, (count - 1)[None], NO_BLOCK)[0]
+  free_prev = scatter(state.free_prev, blocks, prev_of, lanes)
+  return state.replace(
+    free_next=scatter(state.free_next, blocks, next_of, lanes),
+    free_prev=scatter(free_prev, old_head[None], last, any_new),
+    free_head=jnp.where(any_new, first, old_head),
+    free_tail=jnp.where(any_new & (old_tail == NO_BLOCK), last, old_tail),
+    num_free=state.num_free + count,
+  )
+
+
 def unlink_free(state: PagingState, block: jax.Array, ok: jax.Array):
   """Removes one queued ``block`` from anywhere in the free queue when ``ok``.
 
@@ -443,19 +474,33 @@ def unlink_free(state: PagingState, block: jax.Array, ok: jax.Array):
   )
 
 
-def drop_refs(state: PagingState, blocks: jax.Array, lanes: jax.Array):
+def drop_refs(
+  state: PagingState,
+  blocks: jax.Array,
+  lanes: jax.Array,
+  unpublished_first: bool = False,
+):
   """Lowers refcounts of ``blocks[lanes]`` (distinct ids) by one.
 
-  Blocks that reach 0 join the free-queue tail in the order given.
+  Blocks that reach 0 join the free-queue tail in the order given; with
+  ``unpublished_first`` (static) the unpublished ones go to the head
+  instead, in the order given (the first becomes the head).
 
   Returns:
-    ``(state, freed, num_freed)``: ``freed`` ``[L]`` in queue order.
+    ``(state, freed, num_freed)``: ``freed`` ``[L]`` in the order given.
   """
   new_counts = settle(state, gather(state.refcounts, blocks) - 1)[0]
   refcounts = scatter(state.refcounts, blocks, new_counts, lanes)
-  freed, num_freed = compact(blocks, lanes & (new_counts == 0))
-  state = push_free_tail(state.replace(refcounts=refcounts), freed, num_freed)
-  return state, freed, num_freed
+  freed_lanes = lanes & (new_counts == 0)
+  freed, num_freed = compact(blocks, freed_lanes)
+  state = state.replace(refcounts=refcounts)
+  if not unpublished_first:
+    return push_free_tail(state, freed, num_freed), freed, num_freed
+  published = settle(state, gather(state.published, blocks, False))[0]
+  to_tail, num_tail = compact(blocks, freed_lanes & published)
+  to_head, num_head = compact(blocks, freed_lanes & ~published)
+  state = push_free_tail(state, to_tail, num_tail)
+  return push_free_head(state, to_head, num_head), freed, num_freed
 
 
 # ---------------------------------------------------------------------------
@@ -686,15 +731,27 @@ def fork(state: PagingState, parent_id, child_id):
   return state, status
 
 
-@jax.jit
-def release(state: PagingState, seq_id):
+@functools.partial(jax.jit, static_argnames="unpublished_first")
+def release(state: PagingState, seq_id, unpublished_first: bool = False):
   """Ends a live sequence, dropping one reference from each of its blocks.
 
-  Blocks that reach refcount 0 join the free-queue tail, last block first.
+  Blocks that reach refcount 0 join the free queue in reverse table order
+  (the last block first), as vLLM v1's ``SingleTypeKVCacheManager.free``
+  passes them to ``BlockPool.free_blocks``:
+
+  * by default all at the tail (vLLM 0.8 .. 0.22: ``free_blocks`` appends
+    every block, ``vllm/v1/core/block_pool.py`` of 0.22.0);
+  * with ``unpublished_first`` the blocks that are not ``published`` (carry
+    no hash) at the head, keeping that order, so the sequence's last
+    unpublished block is the next one handed out, and the published ones at
+    the tail (vLLM >= 0.23: ``BlockPool.free_blocks``, lines 816-847 of
+    ``vllm/v1/core/block_pool.py`` in 0.33.0, ``prepend_n`` for blocks
+    with ``block_hash is None``, ``append_n`` for the others).
 
   Args:
     state: the pool.
     seq_id: int32 scalar, a live sequence.
+    unpublished_first: static; the vLLM >= 0.23 order above.
 
   Returns:
     ``(new_state, ReleaseResult)``.
@@ -705,8 +762,13 @@ def release(state: PagingState, seq_id):
     ...                 max_blocks_per_seq=3)
     >>> s, _ = paging.allocate(s, 0, 6)
     >>> s, r = paging.release(s, 0)
-    >>> r.freed_blocks[:2].tolist()
-    [2, 1]
+    >>> r.freed_blocks[:2].tolist(), paging.free_queue_order(s)
+    ([2, 1], [3, 2, 1])
+    >>> s, _ = paging.allocate(s, 0, 6)  # blocks 3, 2
+    >>> s = s.replace(published=s.published.at[3].set(True))
+    >>> s, r = paging.release(s, 0, unpublished_first=True)
+    >>> r.freed_blocks[:2].tolist(), paging.free_queue_order(s)
+    ([2, 3], [2, 1, 3])
   """
   status = first_error(*seq_status(state, seq_id, want_active=True))
   ok = status == Status.OK
@@ -718,7 +780,9 @@ def release(state: PagingState, seq_id):
   status, ok, row, lanes = settle(state, status, ok, row, lanes)
   # vLLM v1 KVCacheManager.free releases blocks in reverse order so that the
   # tail (deepest) blocks reach the free queue first and are reused first.
-  state, freed, num_freed = drop_refs(state, row[::-1], lanes[::-1])
+  state, freed, num_freed = drop_refs(
+    state, row[::-1], lanes[::-1], unpublished_first
+  )
   state = state.replace(
     block_tables=set_row(state.block_tables, seq_id, jnp.zeros_like(row), ok),
     num_tokens=scatter(state.num_tokens, seq_id[None], 0, ok),

@@ -41,11 +41,13 @@ caching (see ``tests/reference_models/vllm_apc.py``, the test oracle):
   the :mod:`prefixjax.cache.paging` verbs, on a cache's ``paging`` field.
 * :func:`release`: blocks reaching refcount 0 join the free queue in
   reverse table order (the sequence's last block first). ``free_order``
-  (static, set at :func:`init`) picks vLLM's version: ``"append"`` (all at
-  the tail: vLLM <= 0.22, the paging core's release) or
-  ``"prepend_unhashed"`` (unhashed blocks at the head for LIFO reuse,
-  hashed ones at the tail: vLLM >= 0.23). Hashed blocks stay findable on
-  the free queue until reused.
+  (static, set at :func:`init` directly or by ``vllm_version``) picks
+  vLLM's version: ``"prepend_unhashed"`` (the default: unhashed blocks at
+  the head for LIFO reuse, hashed ones at the tail, vLLM >= 0.23, read from
+  0.33.0's ``vllm/v1/core/block_pool.py BlockPool.free_blocks``) or
+  ``"append"`` (all at the tail: vLLM 0.8 .. 0.22, the paging core's default
+  release); see :data:`prefixjax.cache.prefix_state.VLLM_FREE_ORDERS`.
+  Hashed blocks stay findable on the free queue until reused.
 
 Eviction policy (static, :mod:`prefixjax.cache.policies`, set at :func:`init`).
 The default ``lru`` is vLLM's: the free queue *is* the eviction order (head
@@ -91,7 +93,6 @@ import jax.numpy as jnp
 from prefixjax._masked import (
   NO_BLOCK,
   NULL_BLOCK,
-  compact,
   gather,
   get_row,
   scatter,
@@ -104,14 +105,15 @@ from prefixjax.cache.eviction import (
   evict_popped,
   link_parents,
   promote_victims,
-  push_free_head,
   refresh_tree,
   touch,
 )
 from prefixjax.cache.paging import Status
 from prefixjax.cache.prefix_inspect import check_invariants, stats_dict
 from prefixjax.cache.prefix_state import (
+  DEFAULT_VLLM_VERSION,
   FREE_ORDERS,
+  VLLM_FREE_ORDERS,
   CacheStats,
   MatchResult,
   PrefixAllocateResult,
@@ -121,11 +123,14 @@ from prefixjax.cache.prefix_state import (
   init,
   settle,
   versioned,
+  vllm_free_order,
 )
 from prefixjax.cache.prefix_state import check_state as check_state
 
 __all__ = [
+  "DEFAULT_VLLM_VERSION",
   "FREE_ORDERS",
+  "VLLM_FREE_ORDERS",
   "CacheStats",
   "MatchResult",
   "PrefixAllocateResult",
@@ -143,6 +148,7 @@ __all__ = [
   "publish",
   "release",
   "stats_dict",
+  "vllm_free_order",
 ]
 
 
@@ -400,13 +406,15 @@ def publish(state, seq_id, block_keys, num_tokens, next_use=None):
     state: the cache.
     seq_id: int32 scalar, a live sequence.
     block_keys: ``[M, 2]`` uint32 content keys of the sequence's blocks.
-    num_tokens: int32 scalar, tokens whose full blocks to publish.
+    num_tokens: int32 scalar, tokens whose full blocks to publish, at most
+      the tokens the sequence holds.
     next_use: optional ``[M]`` int32 per block, passed to the policy's
       ``on_publish`` hook with the newly published blocks (see
       :func:`allocate_with_prefix`).
 
   Returns:
-    ``(new_state, PublishResult)``.
+    ``(new_state, PublishResult)``. ``BAD_COUNT`` (nothing published) when
+    ``num_tokens`` is negative or more than the sequence holds.
   """
   k, m = state.block_size, state.max_blocks_per_seq
   if next_use is None:
@@ -418,7 +426,8 @@ def publish(state, seq_id, block_keys, num_tokens, next_use=None):
   row = get_row(pstate.block_tables, seq_id)
   status = paging.first_error(
     *_seq_checks(state, seq_id, want_active=True),
-    (num_tokens < 0, Status.BAD_COUNT),
+    # Beyond what the sequence holds is an error, never a silent clip.
+    ((num_tokens < 0) | (num_tokens > held), Status.BAD_COUNT),
   )
   full = jnp.clip(jnp.minimum(num_tokens, held) // k, 0, m)
   full = jnp.where(status == Status.OK, full, 0)
@@ -504,60 +513,26 @@ def publish(state, seq_id, block_keys, num_tokens, next_use=None):
   return state, PublishResult(status, n_pub, n_drop)
 
 
-def _release_prepend_unhashed(state: PrefixCacheState, seq_id):
-  """Release with vLLM >= 0.23's order: in reverse table order, unhashed
-  freed blocks go to the queue head (``prepend_n``), hashed ones to the
-  tail (``append_n``)."""
-  pstate = state.paging
-  status = paging.first_error(*_seq_checks(state, seq_id, want_active=True))
-  ok = status == Status.OK
-  row = get_row(pstate.block_tables, seq_id)
-  tokens = gather(pstate.num_tokens, seq_id[None])[0]
-  m = state.max_blocks_per_seq
-  lanes = ok & (jnp.arange(m) < paging.blocks_for(tokens, state.block_size))
-  rev, rev_lanes = row[::-1], lanes[::-1]
-  new_counts = gather(pstate.refcounts, rev) - 1
-  hashed = gather(state.dup_next, rev, NO_BLOCK) != NO_BLOCK
-  status, ok, row, rev, rev_lanes, new_counts, hashed = settle(
-    state, status, ok, row, rev, rev_lanes, new_counts, hashed
-  )
-  freed = rev_lanes & (new_counts == 0)
-  pstate = pstate.replace(
-    refcounts=scatter(pstate.refcounts, rev, new_counts, rev_lanes)
-  )
-  to_tail, n_tail = compact(rev, freed & hashed)
-  to_head, n_head = compact(rev, freed & ~hashed)
-  pstate = paging.push_free_tail(pstate, to_tail, n_tail)
-  pstate = push_free_head(pstate, to_head, n_head)
-  pstate = pstate.replace(
-    block_tables=set_row(pstate.block_tables, seq_id, jnp.zeros_like(row), ok),
-    num_tokens=scatter(pstate.num_tokens, seq_id[None], 0, ok),
-    active=scatter(pstate.active, seq_id[None], False, ok),
-  )
-  all_freed, num_freed = compact(rev, freed)
-  stats = state.stats.replace(
-    num_cached_free=state.stats.num_cached_free + n_tail
-  )
-  result = paging.ReleaseResult(status, all_freed, num_freed)
-  state = state.replace(paging=pstate, stats=stats)
-  return refresh_tree(state, to_tail, jnp.arange(m) < n_tail), result
-
-
 @jax.jit
 def release(state, seq_id):
   """Ends a sequence; blocks reaching refcount 0 join the free queue.
 
-  With ``free_order="append"`` this is :func:`prefixjax.cache.paging.release`
-  (all at the tail, last block first); with ``"prepend_unhashed"`` the
-  unhashed ones go to the head instead. Hashed blocks stay findable until
-  reused.
+  :func:`prefixjax.cache.paging.release` in reverse table order (the last
+  block first): with ``free_order="append"`` all at the tail (vLLM <= 0.22),
+  with ``"prepend_unhashed"`` (vLLM >= 0.23, the default) the unhashed ones
+  at the head and the hashed ones at the tail (``unpublished_first``: a
+  block is ``published`` exactly while it carries a hash; vLLM 0.33.0
+  ``vllm/v1/core/block_pool.py BlockPool.free_blocks``, lines 816-847).
+  Hashed blocks stay findable until reused.
 
   Returns:
     ``(new_state, prefixjax.cache.paging.ReleaseResult)``.
   """
-  if state.free_order == "prepend_unhashed":
-    return _release_prepend_unhashed(state, seq_id)
-  pstate, r = paging.release(state.paging, seq_id)
+  pstate, r = paging.release(
+    state.paging,
+    seq_id,
+    unpublished_first=state.free_order == "prepend_unhashed",
+  )
   lanes = jnp.arange(r.freed_blocks.shape[0]) < r.num_freed
   hashed = lanes & (gather(state.dup_next, r.freed_blocks, NO_BLOCK) >= 0)
   stats = state.stats.replace(

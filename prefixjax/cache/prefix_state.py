@@ -12,6 +12,7 @@ slots, ``M`` block-table columns, ``K`` block size, ``C`` index slots.
 
 from __future__ import annotations
 
+import re
 from typing import Any, NamedTuple
 
 import jax
@@ -24,7 +25,9 @@ from prefixjax.cache import index as index_lib
 from prefixjax.cache import policies as policies_lib
 
 __all__ = [
+  "DEFAULT_VLLM_VERSION",
   "FREE_ORDERS",
+  "VLLM_FREE_ORDERS",
   "CacheStats",
   "MatchResult",
   "PrefixAllocateResult",
@@ -36,12 +39,78 @@ __all__ = [
   "settle",
   "uses_tree",
   "versioned",
+  "vllm_free_order",
 ]
 
 _INT32_MAX = 2**31 - 1
 
 FREE_ORDERS = ("append", "prepend_unhashed")
 """Accepted ``free_order`` values."""
+
+VLLM_FREE_ORDERS = {"0.33": "prepend_unhashed", "0.22": "append"}
+"""The release order of each vLLM release line, read from its source.
+
+Both free a request's blocks in reverse table order
+(``vllm/v1/core/single_type_kv_cache_manager.py``
+``SingleTypeKVCacheManager.free``, line 598 of 0.33.0:
+``free_blocks(reversed(...))``) and queue those reaching ``ref_cnt == 0``:
+
+* ``"0.33"`` (every release from 0.23 on): ``vllm/v1/core/block_pool.py``
+  ``BlockPool.free_blocks`` (lines 816-847 of 0.33.0) collects, in that
+  order, the blocks with ``block_hash is None`` ("LIFO reuse of non-cached
+  blocks") and the others, then ``free_block_queue.prepend_n`` puts the
+  first list at the queue head keeping its order (so the request's last
+  unhashed block becomes the head; ``kv_cache_utils.py``
+  ``FreeKVCacheBlockQueue.prepend_n``, line 438) and ``append_n`` puts the
+  hashed ones at the tail ("FIFO reuse of cached blocks for LRU eviction
+  behavior"): ``free_order="prepend_unhashed"``. 0.22.0 has no
+  ``prepend_n``; 0.23.0 has it.
+* ``"0.22"`` (0.8 .. 0.22): every freed block is appended at the tail
+  (``block_pool.py BlockPool.free_blocks`` of 0.8.0, 0.11.0, 0.16.0, 0.20.0
+  and 0.22.0): ``free_order="append"``.
+"""
+
+DEFAULT_VLLM_VERSION = "0.33"
+"""The vLLM release whose rules are the default (the newest one read)."""
+
+_FIRST_HEAD_ORDER = 23  # 0.23: BlockPool.free_blocks gained prepend_n
+_OLDEST_V1 = 8  # 0.8.0: the first release read (v1 engine by default)
+_NEWEST_READ = 33
+
+
+def vllm_free_order(vllm_version: str) -> str:
+  """The ``free_order`` of a vLLM release (see :data:`VLLM_FREE_ORDERS`).
+
+  Args:
+    vllm_version: ``"latest"`` (= :data:`DEFAULT_VLLM_VERSION`) or
+      ``"0.N"`` / ``"0.N.P"`` with ``8 <= N <= 33``: ``N >= 23`` gives
+      ``"prepend_unhashed"``, older releases ``"append"``.
+
+  Raises:
+    TypeError: not a string.
+    ValueError: any other string (the message lists the accepted values).
+
+  Example:
+    >>> from prefixjax.cache.prefix_state import vllm_free_order
+    >>> vllm_free_order("0.33"), vllm_free_order("0.22.0")
+    ('prepend_unhashed', 'append')
+  """
+  if not isinstance(vllm_version, str):
+    raise TypeError(
+      f"vllm_version must be a string such as '0.33', got {vllm_version!r}"
+    )
+  version = DEFAULT_VLLM_VERSION if vllm_version == "latest" else vllm_version
+  found = re.fullmatch(r"0\.(\d+)(?:\.\d+)?", version)
+  minor = int(found[1]) if found else -1
+  if not _OLDEST_V1 <= minor <= _NEWEST_READ:
+    raise ValueError(
+      f"vllm_version={vllm_version!r} is not supported: give 'latest' or "
+      f"'0.{_FIRST_HEAD_ORDER}' .. '0.{_NEWEST_READ}' (unhashed freed blocks "
+      f"at the queue head; {DEFAULT_VLLM_VERSION!r} is the default), "
+      f"or '0.{_OLDEST_V1}' .. '0.{_FIRST_HEAD_ORDER - 1}' (all at the "
+      "tail); a patch number ('0.33.0') may follow"
+    )
+  return "prepend_unhashed" if minor >= _FIRST_HEAD_ORDER else "append"
 
 
 @struct.dataclass
@@ -108,8 +177,9 @@ class PrefixCacheState:
       the next victim); ``()`` otherwise.
     free_order: static, where released blocks join the free queue:
       ``"append"`` (all at the tail, last block first: vLLM <= 0.22 and the
-      paging core) or ``"prepend_unhashed"`` (unhashed ones at the head,
-      hashed ones at the tail: vLLM >= 0.23).
+      paging core's default) or ``"prepend_unhashed"`` (unhashed ones at the
+      head, hashed ones at the tail, each last block first: vLLM >= 0.23;
+      see :data:`VLLM_FREE_ORDERS`).
     policy: static, the :class:`prefixjax.cache.policies.EvictionPolicy`.
   """
 
@@ -127,7 +197,7 @@ class PrefixCacheState:
   block_depth: jax.Array  # [N] int32
   policy_state: Any
   victim_tree: tuple = ()
-  free_order: str = struct.field(pytree_node=False, default="append")
+  free_order: str = struct.field(pytree_node=False, default="prepend_unhashed")
   policy: policies_lib.EvictionPolicy = struct.field(
     pytree_node=False, default=policies_lib.lru()
   )
@@ -219,6 +289,7 @@ def init(
   index_capacity: int | None = None,
   max_probes: int = 128,
   free_order: str | None = None,
+  vllm_version: str | None = None,
   policy: str | policies_lib.EvictionPolicy = "lru",
 ) -> PrefixCacheState:
   """Creates an empty prefix cache.
@@ -233,9 +304,14 @@ def init(
     index_capacity: overrides ``C`` (validated against ``index_load``).
     max_probes: the index probe bound.
     free_order: ``"append"`` or ``"prepend_unhashed"`` (see
-      :class:`PrefixCacheState`); default ``"append"`` for ``lru`` and
-      ``"prepend_unhashed"`` (required) for every other policy, which keeps
-      the free blocks without a hash at the queue head.
+      :class:`PrefixCacheState`); by default the order of ``vllm_version``,
+      which is ``"prepend_unhashed"`` (vLLM 0.33's) unless an older release
+      is named. Every policy but ``lru`` requires ``"prepend_unhashed"``,
+      which keeps the free blocks without a hash at the queue head.
+    vllm_version: a vLLM release (:func:`vllm_free_order`: ``"0.33"``,
+      ``"0.22"``, ``"latest"``, ...) whose release order to use; default
+      :data:`DEFAULT_VLLM_VERSION`. Giving both it and a ``free_order`` that
+      differs from its order is an error.
     policy: a registered policy name
       (:func:`prefixjax.cache.policies.get_policy` with default
       hyperparameters) or an :class:`prefixjax.cache.policies.EvictionPolicy`.
@@ -259,14 +335,22 @@ def init(
       f"policy must be a name or an EvictionPolicy, got {type(policy)}"
     )
   queue_order = policy.score is None
-  if free_order is None:
-    free_order = "append" if queue_order else "prepend_unhashed"
-  if free_order not in FREE_ORDERS:
+  if free_order is not None and free_order not in FREE_ORDERS:
     raise ValueError(f"{free_order=} must be one of {FREE_ORDERS}")
+  if vllm_version is not None:
+    order = vllm_free_order(vllm_version)
+    if free_order is not None and free_order != order:
+      raise ValueError(
+        f"{free_order=} contradicts {vllm_version=}, whose release order is "
+        f"{order!r}: give one of them"
+      )
+    free_order = order
+  if free_order is None:
+    free_order = vllm_free_order(DEFAULT_VLLM_VERSION)
   if not queue_order and free_order != "prepend_unhashed":
     raise ValueError(
       f"{free_order=}: a scoring policy needs free_order='prepend_unhashed' "
-      "(free blocks without a hash must stay at the queue head)"
+      "(free blocks without a hash must stay at the queue head; vLLM >= 0.23)"
     )
   pstate = paging.init(
     num_blocks=num_blocks,

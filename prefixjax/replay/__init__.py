@@ -193,6 +193,7 @@ def replay(
   block_size: int | None = None,
   warmup_fraction: float = 0.5,
   publish: str = "early",
+  vllm_version: str | None = None,
   width: int | None = None,
   keys_per_step: int | None = None,
 ) -> ReplayResult:
@@ -213,6 +214,10 @@ def replay(
     warmup_fraction: share of requests before hits are counted.
     publish: vllm semantics, ``"early"`` or ``"late"`` (see
       :func:`prefixjax.replay.vllm.replay_vllm`).
+    vllm_version: vllm semantics, the vLLM release whose rules to follow
+      (default the current one, 0.33: freed blocks without a hash go to
+      the head of the free queue; ``"0.22"`` for the older tail order; see
+      :func:`prefixjax.cache.prefix_state.vllm_free_order`).
     width: blocks per scan step of the chunked and stack engines.
     keys_per_step: next-use keys per scan step of the ``belady_leaf`` keys
       engine.
@@ -232,6 +237,11 @@ def replay(
   if policy is None:
     raise ValueError(f"{semantics} replay needs a policy: {REPLAY_POLICIES}")
   policy = _policy_name(policy, semantics)
+  if vllm_version is not None and semantics != "vllm":
+    raise ValueError(
+      f"vllm_version={vllm_version!r} is a vllm-semantics rule; "
+      f"semantics={semantics!r} has none"
+    )
   if semantics != "kvcache-sim":
     if engine != "auto":
       raise ValueError(f"{semantics} replay has one engine; pass engine='auto'")
@@ -243,12 +253,14 @@ def replay(
     if semantics == "vllm":
       from prefixjax.replay.vllm import replay_vllm
 
+      version = {} if vllm_version is None else {"vllm_version": vllm_version}
       return replay_vllm(
         source,
         block_size=block_size,
         capacities=capacities,
         warmup_fraction=warmup_fraction,
         publish=publish,
+        **version,
       )
     from prefixjax.replay.sglang import replay_sglang
 

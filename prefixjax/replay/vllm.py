@@ -10,6 +10,14 @@ last sampled token has no KV) and publish the blocks they fill, then release
 the request's blocks tail first. The pool holds ``capacity`` usable blocks
 plus the null block; policy ``lru`` (vLLM's free-queue order).
 
+The release order follows the vLLM release named by ``vllm_version``
+(:data:`prefixjax.cache.prefix_state.VLLM_FREE_ORDERS`): from 0.23 on (the
+default, ``"0.33"``) a released request's blocks without a hash (its partly
+filled last block) go to the free-queue head and are reused first, the
+hashed ones to the tail (``vllm/v1/core/block_pool.py
+BlockPool.free_blocks``, lines 816-847 of 0.33.0); up to 0.22 (``"0.22"``)
+all go to the tail.
+
 Token-id traces give exact block contents; when a request's output token ids
 are not known, its outputs are given ids no prompt uses (``-1 - request``),
 so output-filled blocks are cached but never hit.
@@ -62,6 +70,7 @@ import numpy as np
 
 from prefixjax.cache import hashing, paging
 from prefixjax.cache import prefix_cache as pc
+from prefixjax.cache.prefix_state import DEFAULT_VLLM_VERSION, vllm_free_order
 from prefixjax.replay import frame, vllm_engine
 from prefixjax.replay.frame import ReplayResult
 from prefixjax.workloads import Trace
@@ -188,6 +197,7 @@ def replay_vllm(
   capacities: Sequence[int],
   warmup_fraction: float = 0.5,
   publish: str = "early",
+  vllm_version: str = DEFAULT_VLLM_VERSION,
 ) -> ReplayResult:
   """Replays a trace with vLLM v1 prefix-caching semantics.
 
@@ -203,6 +213,11 @@ def replay_vllm(
       prefill, then after decode), ``"late"`` only when the request
       finishes. With one request at a time both give the same hits; the
       switch matters once requests overlap.
+    vllm_version: the vLLM release whose release order to follow
+      (:func:`prefixjax.cache.prefix_state.vllm_free_order`): ``"0.33"``
+      (default; also ``"latest"`` and ``"0.23"`` .. ``"0.33"``: unhashed
+      freed blocks at the queue head) or ``"0.22"`` (``"0.8"`` ..
+      ``"0.22"``: all at the tail).
 
   Returns:
     A :class:`~prefixjax.replay.frame.ReplayResult`: one point per
@@ -213,7 +228,8 @@ def replay_vllm(
   Raises:
     ValueError: no token ids and no hash ids, a block size other than a
       hash-id trace's, a negative hash id or one repeated within a
-      request, a bad size, or a capacity too small for the largest request.
+      request, a bad size, a capacity too small for the largest request,
+      or a ``vllm_version`` not listed above.
 
   Example:
     >>> import numpy as np
@@ -250,6 +266,7 @@ def replay_vllm(
   frame.check_warmup_fraction(warmup_fraction)
   if publish not in PUBLISH_MODES:
     raise ValueError(f"publish={publish!r} is not one of {PUBLISH_MODES}")
+  free_order = vllm_free_order(vllm_version)
   if len(trace) == 0:
     raise ValueError(f"trace {trace.name!r} has no requests")
   capacities = frame.check_capacities(capacities)
@@ -264,7 +281,11 @@ def replay_vllm(
     _check_hash_ids(trace, block_size)
   capacities = [int(c) for c in capacities]
   prepared = vllm_engine.ENGINE.prepare(
-    trace, capacities, block_size=block_size, warmup_fraction=warmup_fraction
+    trace,
+    capacities,
+    block_size=block_size,
+    warmup_fraction=warmup_fraction,
+    free_order=free_order,
   )
   return frame.execute(vllm_engine.ENGINE, prepared, capacities)
 
@@ -274,10 +295,13 @@ def general_hits(
   block_size: int,
   capacities: Sequence[int],
   publish: str = "early",
+  vllm_version: str = DEFAULT_VLLM_VERSION,
 ) -> list[np.ndarray]:
   """``[R]`` int64 hit tokens per capacity through the general
   prefix-cache verbs, for arguments :func:`replay_vllm` accepts (the
-  reference for :mod:`prefixjax.replay.vllm_engine`)."""
+  reference for :mod:`prefixjax.replay.vllm_engine`); ``vllm_version``
+  picks the cache's ``free_order`` as in :func:`replay_vllm`."""
+  free_order = vllm_free_order(vllm_version)
   from_tokens = trace.has_token_ids
   prompt_lens = np.asarray(trace.input_lengths, np.int32)
   totals = trace.kv_tokens.astype(np.int32)
@@ -291,7 +315,11 @@ def general_hits(
   result = []
   for capacity in capacities:
     state = pc.init(
-      int(capacity) + 1, block_size, max_seqs=1, max_blocks_per_seq=max_blocks
+      int(capacity) + 1,
+      block_size,
+      max_seqs=1,
+      max_blocks_per_seq=max_blocks,
+      free_order=free_order,
     )
     _, (hits, status) = run(state, *args, publish=publish)
     status = np.asarray(status)

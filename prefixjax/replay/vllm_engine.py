@@ -1,13 +1,14 @@
 """vLLM-semantics replay, one request at a time, in a few wide steps each.
 
 The engine behind :func:`prefixjax.replay.vllm.replay_vllm`. The general
-prefix-cache verbs (``serving_replay._general_hits``, kept as its reference)
-walk the free queue and the index block by block; with one request at a
-time the state has a simpler shape, which this engine exploits. Its hits
-equal the verbs' (and the vLLM v1 oracle's,
-``tests/reference_models/vllm_apc.py`` with ``free_order="append"``) request
-for request. The rules, per request of ``P`` prompt tokens and ``O`` outputs
-(``B = ceil((P + max(O, 1) - 1) / K)`` blocks with KV, ``F`` of them full):
+prefix-cache verbs (:func:`prefixjax.replay.vllm.general_hits`, kept as its
+reference) walk the free queue and the index block by block; with one
+request at a time the state has a simpler shape, which this engine
+exploits. Its hits equal the verbs' (and the vLLM v1 oracle's,
+``tests/reference_models/vllm_apc.py``, with the same ``free_order``)
+request for request. The rules, per request of ``P`` prompt tokens and
+``O`` outputs (``B = ceil((P + max(O, 1) - 1) / K)`` blocks with KV, ``F``
+of them full):
 
 1. Hits: the longest run of cached keys from block 0, at most
    ``(P - 1) // K`` blocks; a key's block is the earliest-published block
@@ -17,7 +18,14 @@ for request. The rules, per request of ``P`` prompt tokens and ``O`` outputs
    keys they carried.
 3. Columns ``hits .. F - 1`` are published under their keys, in column
    order (a key may then be carried by several blocks).
-4. Release: the ``B`` blocks go to the queue tail, column ``B - 1`` first.
+4. Release, in reverse column order (``SingleTypeKVCacheManager.free``):
+   with ``free_order="prepend_unhashed"`` (vLLM >= 0.23, the default; read
+   from ``vllm/v1/core/block_pool.py BlockPool.free_blocks``, lines 816-847
+   of 0.33.0) the ``F`` full blocks, which all carry a hash, go to the queue
+   tail, column ``F - 1`` first, and the partial last block (``B > F``: no
+   hash) to the queue head, where the next pop takes it first; with
+   ``"append"`` (vLLM 0.8 .. 0.22) all ``B`` go to the tail, column
+   ``B - 1`` first.
 
 Prefill, decode and the ``publish`` mode interleave steps 2 and 3
 differently, but a pop never takes a block of the running request, so the
@@ -36,14 +44,17 @@ Data structures (all fixed-size, built on the host from the trace):
   first live slot before the running request's; ``first_live[v]`` points at
   or before it (every slot before it is dead for good, so lookups skip and
   compress the dead ones: each slot is skipped once over the whole replay).
-* The free queue is an ordered set of queue keys ``0 .. Q - 1``: blocks
-  start on keys ``0 .. C - 1`` in id order and a release gives its ``B``
-  blocks the next ``B`` keys, so keys only grow at the tail and the head is
-  the smallest live key. ``queue_block[k]`` is the block on key ``k`` (or
-  -1: touched since), ``queue_key[b]`` a block's key, ``head`` the smallest
-  key not yet popped. Popping takes the first ``B - hits`` live keys from
-  ``head`` with one ``[W]``-wide window per iteration; a touched key is
-  skipped once, so a request rarely needs a second window.
+* The free queue is an ordered set of queue keys ``0 .. Q - 1`` (queue
+  order is key order): keys ``0 .. H - 1`` are kept for head insertions
+  (``H``: the trace's partial blocks with ``"prepend_unhashed"``, else 0),
+  blocks start on keys ``H .. H + C - 1`` in id order, and a release gives
+  its tail blocks the next keys from ``tail`` up and its head block the key
+  just below ``head``, so the head is always the smallest live key.
+  ``queue_block[k]`` is the block on key ``k`` (or -1: touched since),
+  ``queue_key[b]`` a block's key, ``head`` the smallest key not yet popped.
+  Popping takes the first ``B - hits`` live keys from ``head`` with one
+  ``[W]``-wide window per iteration; a touched key is skipped once, so a
+  request rarely needs a second window.
 
 Per request: one lookup walk (on the Mooncake trace 0.04 to 0.4
 iterations on average), one pop window (rarely two) and six scatters, each
@@ -76,6 +87,8 @@ __all__ = ["ENGINE", "POLICY", "replay_hits"]
 
 POLICY = "lru"
 """vLLM's free-queue order (:func:`prefixjax.cache.policies.lru`)."""
+
+_FREE_ORDERS = ("append", "prepend_unhashed")
 
 _WIDTH = 128  # most lanes of one pop window
 
@@ -192,21 +205,24 @@ def _plan(trace: Trace, block_size: int, totals: np.ndarray) -> _Plan:
 #   queue_block  [Q] int32  block on each queue key (-1: none or touched)
 #   queue_key    [N] int32  queue key of each block (-1: the null block)
 #   head         []  int32  smallest queue key not yet popped
-#   tail         []  int32  next queue key a release hands out
+#   tail         []  int32  next queue key a tail release hands out
 
 
-def _init(first_slot, num_slots, num_blocks, num_queue_keys, capacity):
+def _init(
+  first_slot, num_slots, num_blocks, num_queue_keys, num_head_keys, capacity
+):
   blocks = jnp.arange(num_blocks, dtype=jnp.int32)
-  queue = jnp.arange(num_queue_keys, dtype=jnp.int32)
+  # Queue key k holds block k - H + 1 (H = num_head_keys head keys first).
+  rank = jnp.arange(num_queue_keys, dtype=jnp.int32) - num_head_keys
   usable = (blocks >= 1) & (blocks <= capacity)
   return {
     "first_live": first_slot,
     "slot_block": jnp.full((num_slots,), NONE, jnp.int32),
     "block_slot": jnp.full((num_blocks,), NONE, jnp.int32),
-    "queue_block": jnp.where(queue < capacity, queue + 1, NONE),
-    "queue_key": jnp.where(usable, blocks - 1, NONE),
-    "head": jnp.int32(0),
-    "tail": capacity,
+    "queue_block": jnp.where((rank >= 0) & (rank < capacity), rank + 1, NONE),
+    "queue_key": jnp.where(usable, blocks - 1 + num_head_keys, NONE),
+    "head": jnp.int32(num_head_keys),
+    "tail": capacity + num_head_keys,
   }
 
 
@@ -268,7 +284,7 @@ def _pop(queue_block, head, count, num_lanes: int, width: int):
   return blocks, new_head, taken == count
 
 
-def _step(next_slot, s, x, *, block_size: int, width: int):
+def _step(next_slot, s, x, *, block_size: int, width: int, free_order: str):
   """Serves one request alone; returns the state, its hit blocks and
   whether it broke an invariant."""
   keys, prompt_len, num_blocks, num_full, offset = x
@@ -297,29 +313,67 @@ def _step(next_slot, s, x, *, block_size: int, width: int):
   s["block_slot"] = scatter(
     s["block_slot"], table, jnp.where(publish, slots, NONE), fresh
   )
-  # Release to the tail, the last column first.
-  queue_keys = s["tail"] + num_blocks - 1 - cols
+  # Release, the last column first (module docstring, rule 4).
+  if free_order == "append":
+    num_tail = num_blocks
+    queue_keys = s["tail"] + num_blocks - 1 - cols
+  else:  # full (hashed) blocks to the tail, the partial one to the head
+    num_tail = num_full
+    num_head = num_blocks - num_full
+    queue_keys = jnp.where(
+      cols < num_full,
+      s["tail"] + num_full - 1 - cols,
+      head - num_head + num_blocks - 1 - cols,
+    )
+    head = head - num_head
   s["queue_block"] = scatter(s["queue_block"], queue_keys, table, used)
   s["queue_key"] = scatter(s["queue_key"], table, queue_keys, used)
   s["first_live"] = scatter(s["first_live"], keys, slot, limit)
   s["head"] = head
-  s["tail"] = s["tail"] + num_blocks
+  s["tail"] = s["tail"] + num_tail
   return s, (hits, ~ok)
 
 
 @functools.partial(
   jax.jit,
-  static_argnames=("block_size", "num_blocks", "num_queue_keys", "width"),
+  static_argnames=(
+    "block_size",
+    "num_blocks",
+    "num_queue_keys",
+    "num_head_keys",
+    "width",
+    "free_order",
+  ),
 )
 def _run(
-  consts, xs, capacity, *, block_size, num_blocks, num_queue_keys, width
+  consts,
+  xs,
+  capacity,
+  *,
+  block_size,
+  num_blocks,
+  num_queue_keys,
+  num_head_keys,
+  width,
+  free_order,
 ):
   """``[R]`` hit blocks and broken-invariant flags of one capacity."""
   first_slot, next_slot = consts
   s = _init(
-    first_slot, next_slot.shape[0], num_blocks, num_queue_keys, capacity
+    first_slot,
+    next_slot.shape[0],
+    num_blocks,
+    num_queue_keys,
+    num_head_keys,
+    capacity,
   )
-  step = functools.partial(_step, next_slot, block_size=block_size, width=width)
+  step = functools.partial(
+    _step,
+    next_slot,
+    block_size=block_size,
+    width=width,
+    free_order=free_order,
+  )
   _, out = jax.lax.scan(step, s, xs)
   return out
 
@@ -331,13 +385,23 @@ def _prepare(
   block_size: int,
   warmup_fraction: float = 0.5,
   width: int | None = None,
+  free_order: str = "prepend_unhashed",
 ) -> Prepared:
   """Scan inputs for arguments
-  :func:`prefixjax.replay.vllm.replay_vllm` has validated."""
+  :func:`prefixjax.replay.vllm.replay_vllm` has validated (``free_order``:
+  :func:`prefixjax.cache.prefix_state.vllm_free_order` of its version)."""
+  if free_order not in _FREE_ORDERS:
+    raise ValueError(f"{free_order=} must be one of {_FREE_ORDERS}")
   totals = trace.kv_tokens
   plan = _plan(trace, block_size, totals)
   largest = max(capacities)
-  num_queue_keys = largest + int(plan.num_blocks.astype(np.int64).sum())
+  blocks = plan.num_blocks.astype(np.int64)
+  full = plan.num_full.astype(np.int64)
+  if free_order == "append":
+    num_head_keys, num_tail_keys = 0, int(blocks.sum())
+  else:
+    num_head_keys, num_tail_keys = int((blocks - full).sum()), int(full.sum())
+  num_queue_keys = num_head_keys + largest + num_tail_keys
   if num_queue_keys >= 2**31 - 1:
     raise ValueError(
       f"capacity {largest} plus {num_queue_keys - largest} blocks over the "
@@ -361,7 +425,9 @@ def _prepare(
       block_size=block_size,
       num_blocks=largest + 1,
       num_queue_keys=num_queue_keys,
+      num_head_keys=num_head_keys,
       width=width,
+      free_order=free_order,
     ),
     context=(trace, warmup_fraction),
   )
@@ -398,15 +464,24 @@ def _points(prepared: Prepared, capacities, outputs):
 
 
 def replay_hits(
-  trace: Trace, block_size: int, capacities, width: int | None = None
+  trace: Trace,
+  block_size: int,
+  capacities,
+  width: int | None = None,
+  free_order: str = "prepend_unhashed",
 ) -> list[np.ndarray]:
   """``[R]`` int64 hit tokens per capacity, for arguments
-  :func:`prefixjax.replay.vllm.replay_vllm` has validated."""
+  :func:`prefixjax.replay.vllm.replay_vllm` has validated; ``free_order``
+  as :func:`prefixjax.cache.prefix_cache.init`'s (vLLM 0.33's by default)."""
   capacities = [int(c) for c in capacities]
   if not capacities:
     return []
   prepared = ENGINE.prepare(
-    trace, capacities, block_size=block_size, width=width
+    trace,
+    capacities,
+    block_size=block_size,
+    width=width,
+    free_order=free_order,
   )
   outputs, _ = frame.compile_and_run(ENGINE, prepared)
   return list(_hits(capacities, outputs, block_size))

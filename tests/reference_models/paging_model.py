@@ -141,14 +141,32 @@ class PagingModel:
       self.refcounts[b] += 1
     return Outcome(OK)
 
-  def release(self, seq):
+  def release(self, seq, unpublished_first=False):
+    """Last block first (vLLM v1 frees a request's blocks in reverse order).
+
+    By default every freed block goes to the tail (vLLM <= 0.22). With
+    ``unpublished_first`` (vLLM >= 0.23, ``BlockPool.free_blocks`` in
+    ``vllm/v1/core/block_pool.py`` of 0.33.0) the unpublished ones, in that
+    order, are put in front of the queue (the first becomes the head) and the
+    published ones at the tail.
+    """
     status = self._seq_error(seq, want_active=True)
     if status != OK:
       return Outcome(status)
     blocks = self.tables.pop(seq)
     del self.tokens[seq]
-    # Last block first (vLLM v1 frees a request's blocks in reverse order).
-    return Outcome(OK, freed=self._drop(list(reversed(blocks))))
+    ordered = list(reversed(blocks))
+    if not unpublished_first:
+      return Outcome(OK, freed=self._drop(ordered))
+    freed = []
+    for b in ordered:
+      self.refcounts[b] -= 1
+      if self.refcounts[b] == 0:
+        freed.append(b)
+    head = [b for b in freed if not self.published[b]]
+    tail = [b for b in freed if self.published[b]]
+    self.free_queue = head + self.free_queue + tail
+    return Outcome(OK, freed=freed)
 
   def publish(self, block):
     """Marks a block read-only (what a prefix index does on publish)."""

@@ -85,16 +85,24 @@ Rules
   the full blocks of its first ``P + O - 1`` tokens (the last sampled token
   never gets KV) and holds ``cdiv(P + O - 1, block_size)`` blocks.
 - Release. ``SingleTypeKVCacheManager.free`` passes the request's blocks in
-  reverse order (tail first) to ``BlockPool.free_blocks``, which decrements
+  reverse order (tail first) to ``BlockPool.free_blocks``
+  (``single_type_kv_cache_manager.py`` line 599 of 0.33.0), which decrements
   every ``ref_cnt`` and then queues the blocks that reached 0, in that
   reverse order:
-    * vLLM <= 0.22 (``free_order="append"``): all of them ``append_n``-ed to
-      the tail, so the deepest block of a chain is evicted first;
-    * vLLM >= 0.23 (``free_order="prepend_unhashed"``, the default, current
-      vLLM 0.33): blocks without a hash are ``prepend_n``-ed to the head
-      ("LIFO reuse of non-cached blocks"), blocks with a hash are
-      ``append_n``-ed to the tail. Verified: 0.22.0 has no ``prepend_n``,
-      0.23.0 does.
+    * vLLM 0.8 .. 0.22 (``free_order="append"``, ``vllm_version="0.22"``):
+      all of them appended to the tail, so the deepest block of a chain is
+      evicted first (``block_pool.py BlockPool.free_blocks`` of 0.8.0 appends
+      each block as it reaches 0; 0.22.0 ``append_n``-s them);
+    * vLLM >= 0.23 (``free_order="prepend_unhashed"``, the default,
+      ``vllm_version="0.33"``): ``block_pool.py BlockPool.free_blocks``
+      (lines 816-847 of 0.33.0) collects the blocks with ``block_hash is
+      None`` ("LIFO reuse of non-cached blocks") and ``prepend_n``-s them to
+      the head keeping their order (``kv_cache_utils.py
+      FreeKVCacheBlockQueue.prepend_n``, line 438: the first becomes the
+      head), then ``append_n``-s the hashed ones to the tail ("FIFO reuse of
+      cached blocks for LRU eviction behavior"). Verified: 0.22.0 has no
+      ``prepend_n``, 0.23.0 does. In one-request-at-a-time replay only a
+      request's partly filled last block has no hash.
 - Capacity failure in replay. One request at a time, every block the request
   does not hold is free, so the request runs iff
   ``cdiv(P + max(O, 1) - 1, block_size) <= num_blocks - 1``; otherwise the

@@ -98,10 +98,17 @@ def fork(state: PagingState, parent_id, child_id):
   )
 
 
-def release(state: PagingState, seq_id):
-  """Checked :func:`prefixjax.cache.paging.release`."""
+def release(state: PagingState, seq_id, *, unpublished_first: bool = False):
+  """Checked :func:`prefixjax.cache.paging.release` (``unpublished_first``
+  must be a Python bool: it is static)."""
   check_state(state)
-  return paging.release(state, as_index("seq_id", seq_id))
+  if not isinstance(unpublished_first, bool):
+    raise TypeError(
+      f"unpublished_first={unpublished_first!r} must be a bool (static)"
+    )
+  return paging.release(
+    state, as_index("seq_id", seq_id), unpublished_first=unpublished_first
+  )
 
 
 def slot_mapping(state: PagingState, seq_ids, positions) -> jax.Array:
@@ -131,5 +138,12 @@ def batch_view(state: PagingState, seq_ids) -> BatchView:
     raise ValueError(
       f"seq_ids must be a 1-D integer array, got {seq_ids.shape} "
       f"{seq_ids.dtype}"
+    )
+  ids = np.asarray(seq_ids)
+  bad = (ids < 0) | (ids >= state.max_seqs)
+  if bad.any():
+    raise ValueError(
+      f"seq_ids[{int(np.argmax(bad))}]={int(ids[bad][0])} is outside "
+      f"[0, {state.max_seqs}) (max_seqs={state.max_seqs})"
     )
   return paging.batch_view(state, seq_ids.astype(jnp.int32))

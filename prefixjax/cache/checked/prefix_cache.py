@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from prefixjax.cache import policies as policies_lib
 from prefixjax.cache import prefix_cache
@@ -31,8 +32,15 @@ __all__ = [
 ]
 
 
-def keys_arg(state: PrefixCacheState, block_keys) -> jax.Array:
-  """``[L, 2]`` uint32 -> ``[M, 2]`` (zero-padded or truncated)."""
+def keys_arg(
+  state: PrefixCacheState, block_keys, num_tokens=None, what="num_tokens"
+) -> jax.Array:
+  """``[L, 2]`` uint32 -> ``[M, 2]`` (padded or cut to the table width).
+
+  ``block_keys`` must hold a key for every full block of ``num_tokens``
+  that fits the table (``min(num_tokens // K, M)`` rows): a missing key is
+  refused here, never padded into a key that could hit or be published.
+  """
   keys = jnp.asarray(block_keys)
   if keys.ndim != 2 or keys.shape[-1] != 2 or keys.dtype != jnp.uint32:
     raise ValueError(
@@ -40,6 +48,14 @@ def keys_arg(state: PrefixCacheState, block_keys) -> jax.Array:
       f"{keys.dtype}"
     )
   m = state.max_blocks_per_seq
+  if num_tokens is not None and isinstance(num_tokens, int | np.integer):
+    need = min(int(num_tokens) // state.block_size, m)
+    if keys.shape[0] < need:
+      raise ValueError(
+        f"block_keys has {keys.shape[0]} rows but {what}={int(num_tokens)} "
+        f"has {need} full blocks of {state.block_size} tokens: every full "
+        "block needs its key"
+      )
   if keys.shape[0] < m:
     keys = jnp.concatenate(
       [keys, jnp.zeros((m - keys.shape[0], 2), jnp.uint32)]
@@ -59,7 +75,7 @@ def match(state: PrefixCacheState, block_keys, num_prompt_tokens):
   check_state(state)
   return prefix_cache.match(
     state,
-    keys_arg(state, block_keys),
+    keys_arg(state, block_keys, num_prompt_tokens, "num_prompt_tokens"),
     as_index("num_prompt_tokens", num_prompt_tokens),
   )
 
@@ -77,7 +93,7 @@ def allocate_with_prefix(
   return prefix_cache.allocate_with_prefix(
     state,
     as_index("seq_id", seq_id),
-    keys_arg(state, block_keys),
+    keys_arg(state, block_keys, num_prompt_tokens, "num_prompt_tokens"),
     as_index("num_prompt_tokens", num_prompt_tokens),
     next_use_arg(state, next_use),
   )
@@ -112,12 +128,27 @@ def fork(state: PrefixCacheState, parent_id, child_id):
 def publish(
   state: PrefixCacheState, seq_id, block_keys, num_tokens, *, next_use=None
 ):
-  """Checked :func:`prefixjax.cache.prefix_cache.publish`."""
+  """Checked :func:`prefixjax.cache.prefix_cache.publish`.
+
+  Also refuses ``num_tokens`` beyond what the sequence holds (a concrete
+  state is read on the host).
+  """
   check_state(state)
+  seq = as_index("seq_id", seq_id)
+  if isinstance(num_tokens, int | np.integer) and isinstance(
+    seq_id, int | np.integer
+  ):
+    if 0 <= seq_id < state.max_seqs:
+      held = int(jax.device_get(state.paging.num_tokens)[seq_id])
+      if num_tokens > held:
+        raise ValueError(
+          f"num_tokens={int(num_tokens)} but sequence {int(seq_id)} holds "
+          f"{held} tokens: only blocks it holds can be published"
+        )
   return prefix_cache.publish(
     state,
-    as_index("seq_id", seq_id),
-    keys_arg(state, block_keys),
+    seq,
+    keys_arg(state, block_keys, num_tokens),
     as_index("num_tokens", num_tokens),
     next_use_arg(state, next_use),
   )
