@@ -23,7 +23,13 @@ if TYPE_CHECKING:
   from matplotlib.axis import Axis
   from matplotlib.figure import Figure
 
-__all__ = ["plot_hit_rate_vs_block_size", "plot_hit_rates"]
+__all__ = [
+  "block_size_figure",
+  "count_label",
+  "hit_rate_figure",
+  "plot_hit_rate_vs_block_size",
+  "plot_hit_rates",
+]
 
 DPI = 300
 FIGSIZE = (6.4, 4.0)  # inches: a two-column figure width
@@ -91,7 +97,7 @@ def plot_hit_rates(
     ValueError: no rows, an unknown figure format, or ``bytes_per_token``
       without a block size.
   """
-  fig = _hit_rate_figure(
+  fig = hit_rate_figure(
     rows,
     title=title,
     ceiling=ceiling,
@@ -130,7 +136,7 @@ def plot_hit_rate_vs_block_size(
   Returns:
     The paths written, ``path`` first.
   """
-  fig = _block_size_figure(
+  fig = block_size_figure(
     rows,
     title=title,
     trace=trace,
@@ -141,7 +147,7 @@ def plot_hit_rate_vs_block_size(
   return _save(fig, path, also)
 
 
-def _hit_rate_figure(
+def hit_rate_figure(
   rows: Sequence[Mapping[str, Any]],
   *,
   title: str | None = None,
@@ -153,7 +159,8 @@ def _hit_rate_figure(
   bytes_per_token: float | None = None,
   figsize: tuple[float, float] = FIGSIZE,
 ) -> Figure:
-  """The figure :func:`plot_hit_rates` saves (tests inspect it)."""
+  """The figure :func:`plot_hit_rates` saves, to adjust before saving
+  (same arguments but the path; a ``matplotlib.figure.Figure``)."""
   if not rows:
     raise ValueError("no rows to plot")
   if block_size is None:
@@ -202,7 +209,7 @@ def _hit_rate_figure(
     top = ax.twiny()
     if bytes_per_token is None:
       top.set_xlabel("cache capacity (tokens)", fontsize=9)
-      top_label = lambda v: _count_label(v * block_size)
+      top_label = lambda v: count_label(v * block_size)
     else:
       gib = block_size * bytes_per_token / 2**30
       top.set_xlabel("cache capacity (GiB)", fontsize=9)
@@ -224,13 +231,13 @@ def _hit_rate_figure(
     semantics=semantics,
     underfilled=underfilled,
   )
-  kept = _fit_ticks(fig, ax.xaxis, capacities, _count_label)
+  kept = _fit_ticks(fig, ax.xaxis, capacities, count_label)
   if top is not None:
     _fit_ticks(fig, top.xaxis, capacities, top_label, start=kept)
   return fig
 
 
-def _block_size_figure(
+def block_size_figure(
   rows: Sequence[Mapping[str, Any]],
   *,
   title: str | None = None,
@@ -292,7 +299,7 @@ def _block_size_figure(
     semantics=semantics,
     underfilled=underfilled,
   )
-  _fit_ticks(fig, ax.xaxis, sizes, _count_label)
+  _fit_ticks(fig, ax.xaxis, sizes, count_label)
   return fig
 
 
@@ -508,7 +515,7 @@ def _spread(
   return keep
 
 
-def _count_label(value: float) -> str:
+def count_label(value: float) -> str:
   """``1,827`` below ten thousand, then ``18.3k``, ``0.9M`` style."""
   if value < 10_000:
     return f"{value:,.0f}" if value == round(value) else f"{value:.3g}"

@@ -1,6 +1,6 @@
 """Figures of replay results: what a reader of the paper can read off them.
 
-The builders (``_hit_rate_figure``, ``_block_size_figure``) are the figures
+The builders (``hit_rate_figure``, ``block_size_figure``) are the figures
 the public savers write, so these tests inspect the drawn figure itself:
 tick labels after a draw, legend entries, styles, texts.
 """
@@ -75,7 +75,7 @@ def _caption(fig):
   ],
 )
 def test_count_labels_read_as_numbers(value, label):
-  assert plots._count_label(value) == label
+  assert plots.count_label(value) == label
 
 
 @pytest.mark.parametrize(
@@ -88,16 +88,16 @@ def test_count_labels_read_as_numbers(value, label):
 )
 def test_the_title_is_the_trace_stem(trace, stem):
   rows = [dict(policy="lru", capacity_blocks=8, hit_rate=0.1, mode="measured")]
-  assert plots._hit_rate_figure(rows, trace=trace).axes[0].get_title() == stem
+  assert plots.hit_rate_figure(rows, trace=trace).axes[0].get_title() == stem
 
 
 def test_x_ticks_sit_at_the_capacities_on_a_log_axis(rng):
   # Ratio over 2.2 and 4 or more points: the capacities span over a decade.
   caps = _capacities(rng, int(rng.integers(4, 9)), low=2.2)
-  fig = _drawn(plots._hit_rate_figure(_rows(rng, ["lru"], caps)))
+  fig = _drawn(plots.hit_rate_figure(_rows(rng, ["lru"], caps)))
   ax = fig.axes[0]
   assert ax.get_xscale() == "log"
-  assert _labels(ax.xaxis) == [plots._count_label(c) for c in caps]
+  assert _labels(ax.xaxis) == [plots.count_label(c) for c in caps]
   assert list(ax.get_xticks()) == caps
   assert ax.get_xlabel() == "cache capacity (blocks)"
   assert ax.get_ylabel() == "token hit rate (%)"
@@ -107,22 +107,22 @@ def test_capacities_within_a_decade_keep_a_linear_axis(rng):
   # Evenly spread (so none is thinned), all within one decade.
   start, step = int(rng.integers(100, 300)), int(rng.integers(100, 200))
   caps = [start + k * step for k in range(4)]
-  fig = _drawn(plots._hit_rate_figure(_rows(rng, ["lru"], caps)))
+  fig = _drawn(plots.hit_rate_figure(_rows(rng, ["lru"], caps)))
   assert fig.axes[0].get_xscale() == "linear"
-  assert _labels(fig.axes[0].xaxis) == [plots._count_label(c) for c in caps]
+  assert _labels(fig.axes[0].xaxis) == [plots.count_label(c) for c in caps]
 
 
 @pytest.mark.parametrize("figsize", [plots.FIGSIZE, (3.5, 2.8)])
 def test_many_capacities_are_thinned_so_labels_do_not_touch(rng, figsize):
   caps = _capacities(rng, int(rng.integers(15, 40)), low=1.3, high=1.6)
-  fig = plots._hit_rate_figure(_rows(rng, ["lru"], caps), figsize=figsize)
+  fig = plots.hit_rate_figure(_rows(rng, ["lru"], caps), figsize=figsize)
   ax = _drawn(fig).axes[0]
   shown = [t for t in ax.get_xticklabels() if t.get_text()]
   texts = [t.get_text() for t in shown]
   assert 2 <= len(texts) <= 8
-  assert texts[0] == plots._count_label(caps[0])
-  assert texts[-1] == plots._count_label(caps[-1])
-  assert set(texts) <= {plots._count_label(c) for c in caps}
+  assert texts[0] == plots.count_label(caps[0])
+  assert texts[-1] == plots.count_label(caps[-1])
+  assert set(texts) <= {plots.count_label(c) for c in caps}
   boxes = [t.get_window_extent() for t in shown]
   boxes = sorted((b.x0, b.x1) for b in boxes)
   assert all(
@@ -137,7 +137,7 @@ def test_every_series_has_its_own_marker_line_style_and_colour(rng):
   k = int(rng.integers(2, 9))
   policies = [f"policy{i}" for i in rng.permutation(k)]
   caps = _capacities(rng, 5)
-  fig = plots._hit_rate_figure(_rows(rng, policies, caps, underfilled=1))
+  fig = plots.hit_rate_figure(_rows(rng, policies, caps, underfilled=1))
   ax = fig.axes[0]
   legend = ax.get_legend()
   texts = _legend_texts(ax)
@@ -148,7 +148,7 @@ def test_every_series_has_its_own_marker_line_style_and_colour(rng):
   first = series[:4]
   assert len({h.get_linestyle() for h in first}) == len(first)
   # Series order fixes the style: the same rows draw the same figure.
-  again = plots._hit_rate_figure(_rows(rng, policies, caps, underfilled=1))
+  again = plots.hit_rate_figure(_rows(rng, policies, caps, underfilled=1))
   again_series = again.axes[0].get_legend().legend_handles[:k]
   assert [h.get_marker() for h in again_series] == [
     h.get_marker() for h in series
@@ -158,7 +158,7 @@ def test_every_series_has_its_own_marker_line_style_and_colour(rng):
 def test_the_ceiling_is_a_labelled_dashed_line(rng):
   ceiling = float(rng.uniform(0.2, 0.6))
   caps = _capacities(rng, 4)
-  fig = plots._hit_rate_figure(
+  fig = plots.hit_rate_figure(
     _rows(rng, ["lru", "fifo"], caps), ceiling=ceiling
   )
   ax = fig.axes[0]
@@ -178,7 +178,7 @@ def test_title_and_caption_say_trace_block_size_window_and_semantics(rng):
   semantics = str(rng.choice(["vllm", "sglang", "kvcache-sim"]))
   caps = _capacities(rng, 4, low=2.2)
   fig = _drawn(
-    plots._hit_rate_figure(
+    plots.hit_rate_figure(
       _rows(rng, ["lru"], caps),
       trace=f"/data/{name}.jsonl",
       semantics=semantics,
@@ -194,11 +194,9 @@ def test_title_and_caption_say_trace_block_size_window_and_semantics(rng):
   assert f"{semantics} semantics" in caption
   # The top axis reads the same capacities in tokens.
   assert top.get_xlabel() == "cache capacity (tokens)"
-  assert _labels(top.xaxis) == [
-    plots._count_label(c * block_size) for c in caps
-  ]
+  assert _labels(top.xaxis) == [plots.count_label(c * block_size) for c in caps]
   assert top.get_xlim() == pytest.approx(ax.get_xlim())
-  titled = plots._hit_rate_figure(_rows(rng, ["lru"], caps), title="mine")
+  titled = plots.hit_rate_figure(_rows(rng, ["lru"], caps), title="mine")
   assert titled.axes[0].get_title() == "mine"
 
 
@@ -206,7 +204,7 @@ def test_bytes_per_token_puts_gib_on_the_top_axis(rng):
   caps = _capacities(rng, 4, low=2.2)
   per_token = float(rng.choice([32_768, 131_072, 163_840]))
   rows = _rows(rng, ["lru"], caps, block_size=16)  # block size from the rows
-  fig = _drawn(plots._hit_rate_figure(rows, bytes_per_token=per_token))
+  fig = _drawn(plots.hit_rate_figure(rows, bytes_per_token=per_token))
   ax, top = fig.axes
   assert top.get_xlabel() == "cache capacity (GiB)"
   gib = [c * 16 * per_token / 2**30 for c in caps]
@@ -215,11 +213,11 @@ def test_bytes_per_token_puts_gib_on_the_top_axis(rng):
   )
   assert "block size 16 tokens" in _caption(fig)
   with pytest.raises(ValueError, match="bytes_per_token needs a block_size"):
-    plots._hit_rate_figure(_rows(rng, ["lru"], caps), bytes_per_token=1.0)
+    plots.hit_rate_figure(_rows(rng, ["lru"], caps), bytes_per_token=1.0)
 
 
 def test_without_block_size_there_is_no_token_axis_nor_caption(rng):
-  fig = plots._hit_rate_figure(_rows(rng, ["lru"], _capacities(rng, 3)))
+  fig = plots.hit_rate_figure(_rows(rng, ["lru"], _capacities(rng, 3)))
   assert len(fig.axes) == 1 and not fig.texts
 
 
@@ -286,7 +284,7 @@ def test_an_all_zero_trace_says_why_it_is_flat(rng, modes, ceiling, note):
     for p in ("lru", "fifo")
     for c in caps
   ]
-  fig = _drawn(plots._hit_rate_figure(rows, ceiling=ceiling))
+  fig = _drawn(plots.hit_rate_figure(rows, ceiling=ceiling))
   ax = fig.axes[0]
   assert note in [t.get_text() for t in ax.texts]
   top = 1.0 if ceiling is None else 1.15 * 100 * ceiling
@@ -296,7 +294,7 @@ def test_an_all_zero_trace_says_why_it_is_flat(rng, modes, ceiling, note):
 
 
 def test_a_trace_with_hits_has_no_note(rng):
-  fig = plots._hit_rate_figure(_rows(rng, ["lru"], _capacities(rng, 3)))
+  fig = plots.hit_rate_figure(_rows(rng, ["lru"], _capacities(rng, 3)))
   assert not fig.axes[0].texts
 
 
@@ -320,7 +318,7 @@ def test_hit_rate_and_fragmentation_against_block_size(tmp_path, rng):
     for b in sizes
   ]
   fig = _drawn(
-    plots._block_size_figure(rows, trace="t.jsonl", semantics="sglang")
+    plots.block_size_figure(rows, trace="t.jsonl", semantics="sglang")
   )
   ax, right = fig.axes
   assert ax.get_xlabel() == "block size (tokens)"
@@ -347,7 +345,7 @@ def test_hit_rate_and_fragmentation_against_block_size(tmp_path, rng):
 
 def test_block_size_figure_without_fragmentation_has_one_axis(rng):
   rows = [dict(block_size=b, hit_rate=float(rng.uniform())) for b in (8, 16)]
-  fig = plots._block_size_figure(rows)
+  fig = plots.block_size_figure(rows)
   assert len(fig.axes) == 1
   assert _legend_texts(fig.axes[0]) == ["hit rate"]
 
@@ -369,7 +367,7 @@ def test_the_old_call_still_works(tmp_path):
     str(path)
   ]
   assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-  fig = plots._hit_rate_figure(rows, title="t", ceiling=0.5)
+  fig = plots.hit_rate_figure(rows, title="t", ceiling=0.5)
   assert fig.axes[0].get_title() == "t"
   assert _legend_texts(fig.axes[0]) == [
     "fifo",
@@ -382,4 +380,4 @@ def test_the_old_call_still_works(tmp_path):
 
 def test_no_rows_is_an_error():
   with pytest.raises(ValueError, match="no rows"):
-    plots._hit_rate_figure([])
+    plots.hit_rate_figure([])

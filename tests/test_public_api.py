@@ -28,6 +28,7 @@ def test_all_is_sorted_and_resolves():
     "prefixjax",
     "prefixjax.cache",
     "prefixjax.cache.paging",
+    "prefixjax.cache.paging_state",
     "prefixjax.cache.prefix_state",
     "prefixjax.cache.prefix_cache",
     "prefixjax.cache.index",
