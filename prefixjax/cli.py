@@ -242,7 +242,8 @@ def _add_replay(subparsers) -> None:
   p.add_argument(
     "--plot",
     metavar="PNG",
-    help="also plot hit rate against capacity (needs prefixjax[plot])",
+    help="also plot hit rate against capacity: a 300 dpi PNG and a PDF "
+    "beside it, or only .pdf / .svg (needs prefixjax[plot])",
   )
   _add_compile_cache(p)
   _add_debug(p)
