@@ -8,8 +8,10 @@ The layers, each a subpackage that imports only those below it:
 :mod:`prefixjax.cache` (paging core, hashing, prefix index, eviction
 policies, the prefix cache; ``prefixjax.cache.checked`` is its host-checked
 layer), :mod:`prefixjax.workloads` (trace loaders and generators) and
-:mod:`prefixjax.replay` (trace replay). The paging verbs are re-exported
-here; ``prefixjax.replay`` and ``prefixjax.plots`` load on first use.
+:mod:`prefixjax.replay` (trace replay) and :mod:`prefixjax.serving` (the
+serving simulator). The paging verbs are re-exported here;
+``prefixjax.replay``, ``prefixjax.serving`` and ``prefixjax.plots`` load on
+first use.
 
 Example:
   >>> import prefixjax as pj
@@ -63,7 +65,7 @@ from prefixjax.workloads import (
 __version__ = "0.1.0"
 
 # Loaded on first use, so that `import prefixjax` imports no replay engine.
-_LAZY = ("plots", "replay")
+_LAZY = ("plots", "replay", "serving")
 
 
 def __getattr__(name):
@@ -106,6 +108,7 @@ __all__ = [
   "register_workload",
   "release",
   "replay",
+  "serving",
   "slot_mapping",
   "workload_defaults",
   "workload_kinds",

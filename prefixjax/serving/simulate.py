@@ -1,0 +1,336 @@
+"""Host side of the serving simulator: trace in, oracle-format records out.
+
+:func:`simulate` prepares a trace (token ids of every request's prompt and
+outputs, its block keys, the FCFS waiting order), runs
+:func:`prefixjax.serving.vllm_fcfs.run` (one jitted ``lax.while_loop`` over
+engine steps) and returns a :class:`SimResult`, whose :meth:`SimResult.steps`
+and :meth:`SimResult.requests` have the keys and values of
+``tests/reference_models/vllm_scheduler.py`` ``VllmScheduler.simulate``
+(arrivals ``"zero"``; no ``cached_hashes``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from prefixjax.cache import hashing
+from prefixjax.cache import prefix_cache as pc
+from prefixjax.serving import vllm_fcfs as engine
+from prefixjax.serving.config import ServingConfig
+from prefixjax.workloads import Trace
+
+__all__ = [
+  "NUM_FABRICATED_VOCAB",
+  "SimResult",
+  "fabricated_token",
+  "records_from_trace",
+  "simulate",
+]
+
+NUM_FABRICATED_VOCAB = 32000
+
+
+def fabricated_token(rid: int, pos: int) -> int:
+  """The oracle harness's output token when the trace has no output ids."""
+  return (rid * 7919 + pos) % NUM_FABRICATED_VOCAB + 1
+
+
+def records_from_trace(trace: Trace) -> list[dict[str, Any]]:
+  """A :class:`prefixjax.workloads.Trace` as the harness's trace records.
+
+  Raises:
+    ValueError: the trace has no token ids.
+  """
+  if trace.input_token_ids is None:
+    raise ValueError("simulate needs a trace with input_token_ids")
+  out = []
+  for i in range(len(trace)):
+    rec: dict[str, Any] = dict(
+      input_tok_ids=[int(t) for t in trace.input_token_ids[i]],
+      output_toks=int(trace.output_lengths[i]),
+    )
+    if trace.output_token_ids is not None:
+      rec["output_tok_ids"] = [int(t) for t in trace.output_token_ids[i]]
+    out.append(rec)
+  return out
+
+
+def _parse(rid: int, rec: Mapping[str, Any]) -> tuple[list[int], int, list]:
+  """``sched_harness.py load_trace`` (the oracle's ``_parse``)."""
+  prompt = [int(t) for t in rec["input_tok_ids"]]
+  out_ids = rec.get("output_tok_ids")
+  out_ids = None if out_ids is None else [int(t) for t in out_ids]
+  if "output_toks" in rec:
+    max_tokens = int(rec["output_toks"])
+  elif out_ids is not None:
+    max_tokens = len(out_ids)
+  else:
+    raise ValueError(f"record {rid}: no output_toks and no output_tok_ids")
+  if max_tokens < 1:
+    raise ValueError(f"record {rid}: {max_tokens=} must be >= 1")
+  return prompt, max_tokens, out_ids or []
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(int(n) - 1, 0).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class SimResult:
+  """What :func:`simulate` returns; numpy arrays on the host.
+
+  Attributes:
+    config: the engine configuration.
+    status: :class:`prefixjax.serving.vllm_fcfs.SimStatus` name (``"OK"``).
+    num_steps: engine steps executed (each scheduled tokens).
+    trace: a :class:`prefixjax.serving.vllm_fcfs.StepRecord` of ``[T, ...]``
+      numpy arrays (rows past ``num_steps`` are padding).
+    prompt_len: ``[R]`` prompt lengths.
+    max_tokens: ``[R]`` output tokens requested.
+    rejected: ``[R]`` bool, prompts the input checks refused.
+    finished: ``[R]`` bool.
+    first_sched_step, hit_first_sched, first_token_step, finish_step,
+    num_output_tokens, num_preemptions, resume_hit_tokens, sched_steps,
+    prefill_steps: ``[R]`` int per request (-1 where a step never came).
+  """
+
+  config: ServingConfig
+  status: str
+  num_steps: int
+  trace: engine.StepRecord
+  prompt_len: np.ndarray
+  max_tokens: np.ndarray
+  rejected: np.ndarray
+  finished: np.ndarray
+  first_sched_step: np.ndarray
+  hit_first_sched: np.ndarray
+  first_token_step: np.ndarray
+  finish_step: np.ndarray
+  num_output_tokens: np.ndarray
+  num_preemptions: np.ndarray
+  resume_hit_tokens: np.ndarray
+  sched_steps: np.ndarray
+  prefill_steps: np.ndarray
+
+  @property
+  def ok(self) -> bool:
+    return self.status == "OK"
+
+  def scheduled(self) -> list[list[list[int]]]:
+    """Per step, ``[[rid, num_tokens], ...]`` in scheduler order."""
+    t = self.trace
+    return [
+      [
+        [int(r), int(n)]
+        for r, n in zip(t.sched_rid[i], t.sched_n[i], strict=True)
+        if r >= 0
+      ]
+      for i in range(self.num_steps)
+    ]
+
+  def steps(self) -> list[dict[str, Any]]:
+    """The oracle's ``steps`` records (``steps.jsonl`` keys)."""
+    t = self.trace
+    usable = self.config.usable_blocks
+    out = []
+    for i, sched in enumerate(self.scheduled()):
+      lanes = t.sched_rid[i] >= 0
+      kind = t.sched_kind[i]
+      free = int(t.free_blocks[i])
+      out.append(
+        dict(
+          step=i,
+          sched=sched,
+          tokens=int(t.sched_n[i].sum()),
+          prefill_tokens=int(t.prefill_tokens[i]),
+          decode_tokens=int(t.decode_tokens[i]),
+          new=sorted(int(r) for r in t.sched_rid[i][lanes & (kind == 1)]),
+          resumed=sorted(int(r) for r in t.sched_rid[i][lanes & (kind == 2)]),
+          preempted=sorted(int(r) for r in t.preempted[i] if r >= 0),
+          finished=sorted(int(r) for r in t.finished[i] if r >= 0),
+          running=int(t.num_running[i]),
+          waiting=int(t.num_waiting[i]),
+          free_blocks=free,
+          usage=round(1 - free / usable, 5),
+          free_blocks_end=int(t.free_blocks_end[i]),
+          pc_hits=int(t.pc_hits[i]),
+          pc_queries=int(t.pc_queries[i]),
+        )
+      )
+    return out
+
+  def requests(self) -> list[dict[str, Any]]:
+    """The oracle's ``requests`` records (``requests.jsonl`` keys)."""
+
+    def opt(x):
+      return None if x < 0 else int(x)
+
+    out = []
+    for rid in range(len(self.prompt_len)):
+      rec: dict[str, Any] = dict(
+        rid=rid,
+        prompt_len=int(self.prompt_len[rid]),
+        max_tokens=int(self.max_tokens[rid]),
+        arrival_step=0,
+        priority=0,
+      )
+      if self.rejected[rid]:
+        rec["status"] = "rejected"
+        out.append(rec)
+        continue
+      first = opt(self.first_sched_step[rid])
+      done = bool(self.finished[rid])
+      rec.update(
+        status="finished" if done else "waiting",
+        first_sched_step=first,
+        hit_first_sched=None
+        if first is None
+        else int(self.hit_first_sched[rid]),
+        num_cached_tokens=None
+        if first is None
+        else int(self.hit_first_sched[rid]),
+        first_token_step=opt(self.first_token_step[rid]),
+        finish_step=opt(self.finish_step[rid]),
+        finish_reason="length" if done else None,
+        num_output_tokens=int(self.num_output_tokens[rid]),
+        num_preemptions=int(self.num_preemptions[rid]),
+        resume_hit_tokens=int(self.resume_hit_tokens[rid]),
+        sched_steps=int(self.sched_steps[rid]),
+        prefill_steps=int(self.prefill_steps[rid]),
+      )
+      out.append(rec)
+    return out
+
+
+def _prepare(records: list[Mapping[str, Any]], config: ServingConfig):
+  k, mml = config.block_size, config.max_model_len
+  m = config.max_blocks_per_seq
+  r = len(records)
+  tokens = np.zeros((r, m * k), np.int32)
+  lens = np.zeros((r,), np.int32)
+  prompt_len = np.zeros((r,), np.int32)
+  max_tokens = np.zeros((r,), np.int32)
+  rejected = np.zeros((r,), bool)
+  for rid, rec in enumerate(records):
+    prompt, mt, out_ids = _parse(rid, rec)
+    prompt_len[rid], max_tokens[rid] = len(prompt), mt
+    if not 0 < len(prompt) < mml:  # InputProcessor
+      rejected[rid] = True
+      continue
+    outs = [
+      out_ids[j] if j < len(out_ids) else fabricated_token(rid, j)
+      for j in range(min(mt, mml - len(prompt)))
+    ]
+    seq = prompt + outs
+    tokens[rid, : len(seq)] = seq
+    lens[rid] = len(seq)
+  keys, _ = jax.vmap(lambda t, n: hashing.block_hashes(t, n, block_size=k))(
+    jnp.asarray(tokens), jnp.asarray(lens)
+  )
+  return keys, prompt_len, max_tokens, rejected, lens
+
+
+def simulate(
+  trace: Trace | Iterable[Mapping[str, Any]],
+  config: ServingConfig,
+  *,
+  max_steps: int | None = None,
+) -> SimResult:
+  """Serves a trace with vLLM 0.33's v1 FCFS scheduler, step by step.
+
+  Every request arrives at step 0 (the oracle's ``arrivals="zero"``); rid
+  is the record's index. The whole run is one jitted loop
+  (:func:`prefixjax.serving.vllm_fcfs.run`).
+
+  Args:
+    trace: a :class:`prefixjax.workloads.Trace` with token ids, or the
+      harness's records (``input_tok_ids``, ``output_toks`` and/or
+      ``output_tok_ids``; outputs past the ids are the harness's
+      :func:`fabricated_token`).
+    config: the engine.
+    max_steps: rows of the step buffers ``T``; by default a power of two
+      above twice the trace's tokens, doubled and rerun while the run
+      reports ``OUT_OF_STEPS``.
+
+  Returns:
+    A :class:`SimResult`; ``status`` is not ``"OK"`` when the run stalled
+    or ran out of steps (then records are partial).
+
+  Raises:
+    TypeError: ``config`` is not a :class:`ServingConfig`.
+    ValueError: a record without outputs or with ``max_tokens < 1``.
+  """
+  if not isinstance(config, ServingConfig):
+    raise TypeError(f"config must be a ServingConfig, got {type(config)}")
+  records = (
+    records_from_trace(trace) if isinstance(trace, Trace) else list(trace)
+  )
+  if not records:
+    raise ValueError("simulate needs at least one request")
+  keys, prompt_len, max_tokens, rejected, lens = _prepare(records, config)
+  r = len(records)
+  admitted = np.flatnonzero(~rejected).astype(np.int32)
+  waiting = np.full((r,), -1, np.int32)
+  waiting[: len(admitted)] = admitted
+  status = np.where(
+    rejected, engine.ReqStatus.REJECTED, engine.ReqStatus.WAITING
+  ).astype(np.int32)
+  cache = pc.init(
+    config.num_gpu_blocks,
+    config.block_size,
+    max_seqs=config.max_num_seqs,
+    max_blocks_per_seq=config.max_blocks_per_seq,
+    vllm_version="0.33",
+  )
+  state = engine.init_state(
+    cache,
+    jnp.asarray(waiting),
+    len(admitted),
+    jnp.asarray(status),
+    jnp.asarray(prompt_len),
+  )
+  reqs = engine.RequestTable(
+    keys=keys,
+    prompt_len=jnp.asarray(prompt_len),
+    max_tokens=jnp.asarray(max_tokens),
+  )
+  params = engine.EngineParams(
+    max_num_batched_tokens=jnp.int32(config.max_num_batched_tokens),
+    max_model_len=jnp.int32(config.max_model_len),
+    chunked_prefill=jnp.bool_(config.chunked_prefill),
+    long_prefill_token_threshold=jnp.int32(config.long_prefill_token_threshold),
+  )
+  retry = max_steps is None
+  steps = max_steps or _next_pow2(2 * int(lens.sum()) + 16)
+  while True:
+    final, trace_out = engine.run(state, reqs, params, max_steps=steps)
+    err = engine.SimStatus(int(final.error))
+    if not (retry and err == engine.SimStatus.OUT_OF_STEPS):
+      break
+    steps *= 2
+  f = jax.device_get(final)
+  return SimResult(
+    config=config,
+    status=err.name,
+    num_steps=int(f.step),
+    trace=engine.StepRecord(*(np.asarray(x) for x in trace_out)),
+    prompt_len=prompt_len,
+    max_tokens=max_tokens,
+    rejected=rejected,
+    finished=np.asarray(f.status) == engine.ReqStatus.FINISHED,
+    first_sched_step=np.asarray(f.first_sched_step),
+    hit_first_sched=np.asarray(f.hit_first_sched),
+    first_token_step=np.asarray(f.first_token_step),
+    finish_step=np.asarray(f.finish_step),
+    num_output_tokens=np.asarray(f.num_output),
+    num_preemptions=np.asarray(f.num_preemptions),
+    resume_hit_tokens=np.asarray(f.resume_hit_tokens),
+    sched_steps=np.asarray(f.sched_steps),
+    prefill_steps=np.asarray(f.prefill_steps),
+  )

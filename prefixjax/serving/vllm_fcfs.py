@@ -1,0 +1,652 @@
+"""vLLM 0.33 v1 scheduler (FCFS), one jitted engine step at a time.
+
+The decisions are those of the plain-Python oracle
+``tests/reference_models/vllm_scheduler.py`` (``VllmScheduler``, policy
+``"fcfs"``), made on device with the prefix cache
+:mod:`prefixjax.cache.prefix_cache` (``vllm_version="0.33"``, policy
+``lru``) as vLLM's ``KVCacheManager``:
+
+* Every request's whole token sequence (prompt, then the trace's output ids
+  or the harness's fabricated tokens, cut at ``max_model_len``) is known up
+  front, so its block keys are computed once on the host
+  (:func:`prefixjax.cache.hashing.block_hashes`) into ``keys [R, M, 2]``.
+  A request's keys only grow as it samples, so the row never changes.
+* Running loop (``Scheduler.schedule``): for each running request in
+  order while the budget lasts, ``n = num_tokens - num_computed``, capped
+  by the long-prefill threshold (only with more than one request running
+  or waiting), the budget and ``max_model_len - num_computed - 1``; then
+  :func:`prefixjax.cache.prefix_cache.append` (``allocate_slots``: new blocks
+  for ``cdiv(computed + n, K) - held``); while it is ``OUT_OF_BLOCKS``
+  the last running request is preempted (released tail first, status
+  preempted, ``num_computed = 0``, put at the FRONT of the waiting deque);
+  preempting the request itself ends the loop.
+* Waiting loop (only when nothing was preempted this step): while the
+  budget lasts and fewer than ``max_num_seqs`` run, the head of the
+  deque: :func:`prefixjax.cache.prefix_cache.match` over its current
+  ``num_tokens`` (hit capped at ``num_tokens - 1``, whole blocks), ``n =
+  num_tokens - hit`` (threshold; without chunked prefill a request that
+  does not fit in the budget ends the loop, with it the chunk is cut to the
+  budget), the whole-sequence admission gate of ``allocate_slots(...,
+  full_sequence_must_fit=True)`` (``cdiv(min(num_tokens, max_model_len), K)
+  - hits + refcount-0 hits <= num_free``; written here, it reads the
+  cache's ``refcounts`` and ``num_free``), then
+  :func:`prefixjax.cache.prefix_cache.allocate_with_prefix` for ``hit + n``
+  tokens (it matches again with cap ``hit + n - 1``, which gives the same
+  hit: ``hit <= hit + n - 1 <= num_tokens - 1``).
+* Every allocation is followed by :func:`prefixjax.cache.prefix_cache.publish`
+  of the full blocks of ``computed + n`` tokens (vLLM's ``cache_blocks``
+  inside ``allocate_slots``), so later requests of the same step hit them.
+* Model output (``update_from_output``), in scheduled order: a request
+  whose computed tokens reach its ``num_tokens`` samples one token; it
+  finishes at ``max_model_len`` tokens or ``max_tokens`` outputs and is
+  released at once (:func:`prefixjax.cache.prefix_cache.release`), then
+  leaves the running list keeping the others' order.
+
+Failures inside jit are status values (:class:`SimStatus`): a step that
+schedules nothing while requests remain is ``STALLED`` (the oracle raises),
+a cache verb failing other than the modelled ``OUT_OF_BLOCKS`` is
+``CACHE_ERROR``, and running out of step-buffer rows is ``OUT_OF_STEPS``.
+
+Dimensions: ``R`` requests, ``S`` = ``max_num_seqs`` (running slots),
+``M`` = ``ceil(max_model_len / K)`` block-table columns, ``T`` steps.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from prefixjax._masked import NONE, gather, get_row, scatter
+from prefixjax.cache import Status
+from prefixjax.cache import prefix_cache as pc
+
+__all__ = [
+  "EngineParams",
+  "EngineState",
+  "ReqStatus",
+  "RequestTable",
+  "SchedKind",
+  "SimStatus",
+  "StepRecord",
+  "StepTrace",
+  "init_state",
+  "run",
+  "step",
+]
+
+
+class ReqStatus(enum.IntEnum):
+  """Request states (vLLM's ``RequestStatus``; FINISHED stands for all)."""
+
+  WAITING = 0
+  RUNNING = 1
+  PREEMPTED = 2
+  FINISHED = 3
+  REJECTED = 4
+
+
+class SchedKind(enum.IntEnum):
+  """How a scheduled request entered this step's list."""
+
+  RUNNING = 0
+  NEW = 1
+  RESUMED = 2
+
+
+class SimStatus(enum.IntEnum):
+  """Status of a simulation (``EngineState.error``)."""
+
+  OK = 0
+  STALLED = 1
+  CACHE_ERROR = 2
+  OUT_OF_STEPS = 3
+
+
+@struct.dataclass
+class RequestTable:
+  """The trace on device; read only.
+
+  Attributes:
+    keys: ``[R, M, 2]`` uint32 content keys of each request's full blocks
+      (prompt + outputs, cut at ``max_model_len``).
+    prompt_len: ``[R]`` int32.
+    max_tokens: ``[R]`` int32 output tokens requested.
+  """
+
+  keys: jax.Array
+  prompt_len: jax.Array
+  max_tokens: jax.Array
+
+
+@struct.dataclass
+class EngineParams:
+  """Scheduler knobs that do not change shapes (``[]`` int32 / bool).
+
+  Attributes:
+    max_num_batched_tokens: the token budget of a step.
+    max_model_len: the longest sequence.
+    chunked_prefill: ``[]`` bool.
+    long_prefill_token_threshold: 0 is no cap.
+  """
+
+  max_num_batched_tokens: jax.Array
+  max_model_len: jax.Array
+  chunked_prefill: jax.Array
+  long_prefill_token_threshold: jax.Array
+
+
+@struct.dataclass
+class EngineState:
+  """Scheduler + KV cache; every array has a fixed size.
+
+  Attributes:
+    cache: the :class:`prefixjax.cache.prefix_cache.PrefixCacheState`
+      (``S`` sequence slots, ``M`` columns).
+    status: ``[R]`` int32 :class:`ReqStatus`.
+    num_computed: ``[R]`` int32 ``num_computed_tokens``.
+    num_tokens: ``[R]`` int32 prompt + sampled tokens.
+    num_output: ``[R]`` int32 sampled tokens.
+    slot: ``[R]`` int32 cache sequence slot while running, else -1.
+    prefill_chunk: ``[R]`` bool ``is_prefill_chunk`` of the last schedule.
+    sampled_last: ``[R]`` bool sampled a token in its last scheduled step.
+    first_sched_step: ``[R]`` int32, -1 before.
+    hit_first_sched: ``[R]`` int32 hit tokens at the first schedule.
+    first_token_step: ``[R]`` int32, -1 before.
+    finish_step: ``[R]`` int32, -1 before.
+    num_preemptions: ``[R]`` int32.
+    resume_hit_tokens: ``[R]`` int32 hit tokens summed over resumptions.
+    sched_steps: ``[R]`` int32 steps the request was scheduled in.
+    prefill_steps: ``[R]`` int32 of those, steps counted as prefill.
+    running: ``[S]`` int32 request ids in vLLM's running-list order, -1
+      past ``num_running``.
+    num_running: ``[]`` int32.
+    waiting: ``[R]`` int32 circular deque of request ids (FCFS).
+    waiting_head: ``[]`` int32 index of the deque's front in ``waiting``.
+    num_waiting: ``[]`` int32.
+    step: ``[]`` int32 engine steps run (each scheduled tokens).
+    error: ``[]`` int32 :class:`SimStatus`.
+  """
+
+  cache: pc.PrefixCacheState
+  status: jax.Array
+  num_computed: jax.Array
+  num_tokens: jax.Array
+  num_output: jax.Array
+  slot: jax.Array
+  prefill_chunk: jax.Array
+  sampled_last: jax.Array
+  first_sched_step: jax.Array
+  hit_first_sched: jax.Array
+  first_token_step: jax.Array
+  finish_step: jax.Array
+  num_preemptions: jax.Array
+  resume_hit_tokens: jax.Array
+  sched_steps: jax.Array
+  prefill_steps: jax.Array
+  running: jax.Array
+  num_running: jax.Array
+  waiting: jax.Array
+  waiting_head: jax.Array
+  num_waiting: jax.Array
+  step: jax.Array
+  error: jax.Array
+
+
+class StepRecord(NamedTuple):
+  """What one engine step did (one ``steps.jsonl`` line of the harness).
+
+  Attributes:
+    sched_rid: ``[S]`` int32 scheduled requests in scheduler order, -1 pad.
+    sched_n: ``[S]`` int32 their scheduled tokens, 0 pad.
+    sched_kind: ``[S]`` int32 :class:`SchedKind`.
+    preempted: ``[S]`` int32 preempted requests in preemption order, -1 pad.
+    finished: ``[S]`` int32 finished requests in scheduled order, -1 pad.
+    num_running: ``[]`` int32 running after the step.
+    num_waiting: ``[]`` int32 waiting after the step.
+    free_blocks: ``[]`` int32 free blocks after scheduling.
+    free_blocks_end: ``[]`` int32 free blocks after the outputs.
+    prefill_tokens: ``[]`` int32.
+    decode_tokens: ``[]`` int32.
+    pc_hits: ``[]`` int32 ``PrefixCacheStats`` hits of this step.
+    pc_queries: ``[]`` int32 ``PrefixCacheStats`` queries of this step.
+  """
+
+  sched_rid: jax.Array
+  sched_n: jax.Array
+  sched_kind: jax.Array
+  preempted: jax.Array
+  finished: jax.Array
+  num_running: jax.Array
+  num_waiting: jax.Array
+  free_blocks: jax.Array
+  free_blocks_end: jax.Array
+  prefill_tokens: jax.Array
+  decode_tokens: jax.Array
+  pc_hits: jax.Array
+  pc_queries: jax.Array
+
+
+StepTrace = StepRecord
+"""A :class:`StepRecord` with a leading ``[T]`` axis (one row per step)."""
+
+
+def _i32(x) -> jax.Array:
+  return jnp.asarray(x, jnp.int32)
+
+
+def init_state(
+  cache: pc.PrefixCacheState,
+  waiting: jax.Array,
+  num_waiting,
+  status: jax.Array,
+  prompt_len: jax.Array,
+) -> EngineState:
+  """An engine with every admitted request waiting, in deque order.
+
+  Args:
+    cache: an empty prefix cache with ``S`` sequence slots.
+    waiting: ``[R]`` int32 request ids in arrival (FCFS) order, padded.
+    num_waiting: int32 scalar, ids in ``waiting``.
+    status: ``[R]`` int32 :class:`ReqStatus` (``WAITING`` or ``REJECTED``).
+    prompt_len: ``[R]`` int32 prompt lengths.
+
+  Returns:
+    An :class:`EngineState`.
+  """
+  r = prompt_len.shape[0]
+  s = cache.paging.max_seqs
+  zeros = jnp.zeros((r,), jnp.int32)
+  minus = jnp.full((r,), NONE, jnp.int32)
+  false = jnp.zeros((r,), jnp.bool_)
+  zero = jnp.int32(0)
+  return EngineState(
+    cache=cache,
+    status=_i32(status),
+    num_computed=zeros,
+    num_tokens=_i32(prompt_len),
+    num_output=zeros,
+    slot=minus,
+    prefill_chunk=false,
+    sampled_last=false,
+    first_sched_step=minus,
+    hit_first_sched=zeros,
+    first_token_step=minus,
+    finish_step=minus,
+    num_preemptions=zeros,
+    resume_hit_tokens=zeros,
+    sched_steps=zeros,
+    prefill_steps=zeros,
+    running=jnp.full((s,), NONE, jnp.int32),
+    num_running=zero,
+    waiting=_i32(waiting),
+    waiting_head=zero,
+    num_waiting=_i32(num_waiting),
+    step=zero,
+    error=zero,
+  )
+
+
+def _at(x: jax.Array, i) -> jax.Array:
+  return gather(x, _i32(i)[None])[0]
+
+
+def _put(x: jax.Array, i, value, mask=True) -> jax.Array:
+  return scatter(x, _i32(i)[None], value, mask)
+
+
+def _cap(n, threshold):
+  return jnp.where((threshold > 0) & (threshold < n), threshold, n)
+
+
+def _running_phase(st, reqs, params, threshold):
+  """The running loop of ``Scheduler.schedule`` (FCFS preemption)."""
+  s = st.running.shape[0]
+  mml = params.max_model_len
+  empty = jnp.full((s,), NONE, jnp.int32)
+  carry0 = dict(
+    st=st,
+    i=jnp.int32(0),
+    budget=_i32(params.max_num_batched_tokens),
+    stop=jnp.bool_(False),
+    sched_rid=empty,
+    sched_n=jnp.zeros((s,), jnp.int32),
+    num_sched=jnp.int32(0),
+    preempted=empty,
+    num_pre=jnp.int32(0),
+  )
+
+  def cond(c):
+    return (~c["stop"]) & (c["i"] < c["st"].num_running) & (c["budget"] > 0)
+
+  def body(c):
+    st = c["st"]
+    rid = _at(st.running, c["i"])
+    slot = _at(st.slot, rid)
+    computed = _at(st.num_computed, rid)
+    n = _cap(_at(st.num_tokens, rid) - computed, threshold)
+    n = jnp.minimum(jnp.minimum(n, c["budget"]), mml - computed - 1)
+    skip = n <= 0
+    cache, r = pc.append(st.cache, jnp.where(skip, NONE, slot), n)
+    ok = (~skip) & (r.status == Status.OK)
+    fail = (~skip) & (~ok)
+    bad = fail & (r.status != Status.OUT_OF_BLOCKS)
+    cache, pub = pc.publish(
+      cache, jnp.where(ok, slot, NONE), get_row(reqs.keys, rid), computed + n
+    )
+    bad = bad | (ok & (pub.status != Status.OK))
+    # On OUT_OF_BLOCKS: preempt running.pop() (the last one).
+    preempt = fail & ~bad
+    last = st.num_running - 1
+    victim = _at(st.running, last)
+    vslot = _at(st.slot, victim)
+    cache, rel = pc.release(cache, jnp.where(preempt, vslot, NONE))
+    bad = bad | (preempt & (rel.status != Status.OK))
+    st = st.replace(
+      cache=cache,
+      num_computed=_put(
+        _put(st.num_computed, rid, computed + n, ok), victim, 0, preempt
+      ),
+      status=_put(st.status, victim, ReqStatus.PREEMPTED, preempt),
+      slot=_put(st.slot, victim, NONE, preempt),
+      num_preemptions=_put(
+        st.num_preemptions,
+        victim,
+        _at(st.num_preemptions, victim) + 1,
+        preempt,
+      ),
+      sampled_last=_put(st.sampled_last, victim, False, preempt),
+      running=_put(st.running, last, NONE, preempt),
+      num_running=st.num_running - preempt.astype(jnp.int32),
+    )
+    r_len = st.waiting.shape[0]
+    head = (st.waiting_head - 1 + r_len) % r_len
+    st = st.replace(
+      waiting=_put(st.waiting, head, victim, preempt),
+      waiting_head=jnp.where(preempt, head, st.waiting_head),
+      num_waiting=st.num_waiting + preempt.astype(jnp.int32),
+      error=jnp.where(bad, jnp.int32(SimStatus.CACHE_ERROR), st.error),
+    )
+    return dict(
+      st=st,
+      i=c["i"] + (ok | skip).astype(jnp.int32),
+      budget=c["budget"] - jnp.where(ok, n, 0),
+      stop=c["stop"] | bad | (preempt & (victim == rid)),
+      sched_rid=_put(c["sched_rid"], c["num_sched"], rid, ok),
+      sched_n=_put(c["sched_n"], c["num_sched"], n, ok),
+      num_sched=c["num_sched"] + ok.astype(jnp.int32),
+      preempted=_put(c["preempted"], c["num_pre"], victim, preempt),
+      num_pre=c["num_pre"] + preempt.astype(jnp.int32),
+    )
+
+  return jax.lax.while_loop(cond, body, carry0)
+
+
+def _waiting_phase(c, reqs, params, threshold):
+  """The waiting loop of ``Scheduler.schedule`` (FCFS deque head first)."""
+  st0 = c["st"]
+  s = st0.running.shape[0]
+  k = st0.cache.block_size
+  m = st0.cache.max_blocks_per_seq
+  r_len = st0.waiting.shape[0]
+  mml = params.max_model_len
+  carry0 = dict(
+    c,
+    stop=c["stop"] | (c["num_pre"] > 0),
+    sched_kind=jnp.zeros((s,), jnp.int32),
+    pc_hits=jnp.int32(0),
+    pc_queries=jnp.int32(0),
+  )
+
+  def cond(c):
+    st = c["st"]
+    return (
+      (~c["stop"])
+      & (c["budget"] > 0)
+      & (st.num_waiting > 0)
+      & (st.num_running < s)
+    )
+
+  def body(c):
+    st = c["st"]
+    budget = c["budget"]
+    rid = _at(st.waiting, st.waiting_head)
+    keys = get_row(reqs.keys, rid)
+    total = _at(st.num_tokens, rid)
+    hit = pc.match(st.cache, keys, total)
+    h = hit.hit_tokens
+    n = _cap(total - h, threshold)
+    too_big = (~params.chunked_prefill) & (n > budget)
+    n = jnp.minimum(n, budget)
+    # allocate_slots(full_sequence_must_fit=True): the whole sequence.
+    pstate = st.cache.paging
+    lanes = jnp.arange(m) < hit.num_hit_blocks
+    evictable = jnp.sum(
+      (lanes & (gather(pstate.refcounts, hit.hit_blocks) == 0)).astype(
+        jnp.int32
+      )
+    )
+    full = jnp.minimum(total, mml)
+    needed = (
+      jnp.maximum((full + k - 1) // k - hit.num_hit_blocks, 0) + evictable
+    )
+    go = (~too_big) & (needed <= pstate.num_free)
+    slot = jnp.argmin(pstate.active).astype(jnp.int32)
+    cache, r = pc.allocate_with_prefix(
+      st.cache, jnp.where(go, slot, NONE), keys, h + n
+    )
+    ok = go & (r.status == Status.OK)
+    bad = (go & (r.status != Status.OUT_OF_BLOCKS) & ~ok) | (
+      ok & (r.hit_tokens != h)
+    )
+    cache, pub = pc.publish(cache, jnp.where(ok, slot, NONE), keys, h + n)
+    bad = bad | (ok & (pub.status != Status.OK))
+    first = _at(st.first_sched_step, rid) < 0
+    fresh = _at(st.num_preemptions, rid) == 0
+    st = st.replace(
+      cache=cache,
+      status=_put(st.status, rid, ReqStatus.RUNNING, ok),
+      num_computed=_put(st.num_computed, rid, h + n, ok),
+      slot=_put(st.slot, rid, slot, ok),
+      first_sched_step=_put(st.first_sched_step, rid, st.step, ok & first),
+      hit_first_sched=_put(st.hit_first_sched, rid, h, ok & first),
+      resume_hit_tokens=_put(
+        st.resume_hit_tokens,
+        rid,
+        _at(st.resume_hit_tokens, rid) + h,
+        ok & ~first,
+      ),
+      running=_put(st.running, st.num_running, rid, ok),
+      num_running=st.num_running + ok.astype(jnp.int32),
+      waiting=_put(st.waiting, st.waiting_head, NONE, ok),
+      waiting_head=jnp.where(
+        ok, (st.waiting_head + 1) % r_len, st.waiting_head
+      ),
+      num_waiting=st.num_waiting - ok.astype(jnp.int32),
+      error=jnp.where(bad, jnp.int32(SimStatus.CACHE_ERROR), st.error),
+    )
+    kind = jnp.where(first, SchedKind.NEW, SchedKind.RESUMED).astype(jnp.int32)
+    return dict(
+      c,
+      st=st,
+      budget=budget - jnp.where(ok, n, 0),
+      stop=~ok,
+      sched_rid=_put(c["sched_rid"], c["num_sched"], rid, ok),
+      sched_n=_put(c["sched_n"], c["num_sched"], n, ok),
+      sched_kind=_put(c["sched_kind"], c["num_sched"], kind, ok),
+      num_sched=c["num_sched"] + ok.astype(jnp.int32),
+      pc_hits=c["pc_hits"] + jnp.where(ok & fresh, h, 0),
+      pc_queries=c["pc_queries"] + jnp.where(ok & fresh, total, 0),
+    )
+
+  return jax.lax.while_loop(cond, body, carry0)
+
+
+def _update_from_output(st, c, reqs, params):
+  """``update_from_output``: sample, check stop, free, in scheduled order."""
+  s = st.running.shape[0]
+
+  def body(j, carry):
+    st, finished, num_fin = carry
+    rid = c["sched_rid"][j]
+    valid = j < c["num_sched"]
+    sample = valid & ~_at(st.prefill_chunk, rid)
+    tokens = _at(st.num_tokens, rid) + sample.astype(jnp.int32)
+    outputs = _at(st.num_output, rid) + sample.astype(jnp.int32)
+    done = sample & (
+      (tokens >= params.max_model_len) | (outputs >= _at(reqs.max_tokens, rid))
+    )
+    cache, rel = pc.release(st.cache, jnp.where(done, _at(st.slot, rid), NONE))
+    bad = done & (rel.status != Status.OK)
+    st = st.replace(
+      cache=cache,
+      num_tokens=_put(st.num_tokens, rid, tokens, sample),
+      num_output=_put(st.num_output, rid, outputs, sample),
+      status=_put(st.status, rid, ReqStatus.FINISHED, done),
+      slot=_put(st.slot, rid, NONE, done),
+      finish_step=_put(st.finish_step, rid, st.step, done),
+      error=jnp.where(bad, jnp.int32(SimStatus.CACHE_ERROR), st.error),
+    )
+    finished = _put(finished, num_fin, rid, done)
+    return st, finished, num_fin + done.astype(jnp.int32)
+
+  st, finished, _ = jax.lax.fori_loop(
+    0, s, body, (st, jnp.full((s,), NONE, jnp.int32), jnp.int32(0))
+  )
+  # Scheduler.update_from_output: remove_all keeps the others' order.
+  lanes = jnp.arange(s) < st.num_running
+  keep = lanes & (gather(st.status, st.running, -1) == ReqStatus.RUNNING)
+  pos = jnp.cumsum(keep.astype(jnp.int32)) - 1
+  running = scatter(jnp.full((s,), NONE, jnp.int32), pos, st.running, keep)
+  st = st.replace(running=running, num_running=jnp.sum(keep.astype(jnp.int32)))
+  return st, finished
+
+
+def step(
+  state: EngineState, reqs: RequestTable, params: EngineParams
+) -> tuple[EngineState, StepRecord]:
+  """One sync ``EngineCore.step()``: ``schedule()``, outputs, bookkeeping.
+
+  Traceable (the body of :func:`run`'s loop). Does not advance
+  ``state.step`` or flag a stall: :func:`run` does both.
+
+  Args:
+    state: the engine.
+    reqs: the trace.
+    params: the scheduler knobs.
+
+  Returns:
+    ``(new_state, StepRecord)``.
+  """
+  threshold = jnp.where(
+    state.num_running + state.num_waiting <= 1,
+    0,
+    _i32(params.long_prefill_token_threshold),
+  )
+  c = _running_phase(state, reqs, params, threshold)
+  c = _waiting_phase(c, reqs, params, threshold)
+  st = c["st"]
+  s = st.running.shape[0]
+  lanes = jnp.arange(s) < c["num_sched"]
+  rids = c["sched_rid"]
+  # _update_after_schedule: num_computed already advanced.
+  chunk = gather(st.num_computed, rids) < gather(st.num_tokens, rids)
+  st = st.replace(prefill_chunk=scatter(st.prefill_chunk, rids, chunk, lanes))
+  free_blocks = st.cache.paging.num_free
+  st, finished = _update_from_output(st, c, reqs, params)
+  # The harness's step record (sched_harness.py / the oracle's _record_step).
+  kinds = c["sched_kind"]
+  decode = lanes & gather(st.sampled_last, rids, False) & (kinds == 0)
+  prefill = lanes & ~decode
+  n = c["sched_n"]
+  sampled = lanes & ~chunk
+  first_tok = sampled & (gather(st.first_token_step, rids) < 0)
+  st = st.replace(
+    sched_steps=scatter(
+      st.sched_steps, rids, gather(st.sched_steps, rids) + 1, lanes
+    ),
+    prefill_steps=scatter(
+      st.prefill_steps, rids, gather(st.prefill_steps, rids) + 1, prefill
+    ),
+    sampled_last=scatter(st.sampled_last, rids, sampled, lanes),
+    first_token_step=scatter(st.first_token_step, rids, st.step, first_tok),
+  )
+  record = StepRecord(
+    sched_rid=rids,
+    sched_n=jnp.where(lanes, n, 0),
+    sched_kind=jnp.where(lanes, kinds, 0),
+    preempted=c["preempted"],
+    finished=finished,
+    num_running=st.num_running,
+    num_waiting=st.num_waiting,
+    free_blocks=free_blocks,
+    free_blocks_end=st.cache.paging.num_free,
+    prefill_tokens=jnp.sum(jnp.where(prefill, n, 0)),
+    decode_tokens=jnp.sum(jnp.where(decode, n, 0)),
+    pc_hits=c["pc_hits"],
+    pc_queries=c["pc_queries"],
+  )
+  return st, record
+
+
+@functools.partial(jax.jit, static_argnames="max_steps")
+def run(
+  state: EngineState,
+  reqs: RequestTable,
+  params: EngineParams,
+  *,
+  max_steps: int,
+) -> tuple[EngineState, StepTrace]:
+  """Engine steps until no request is left, in one ``lax.while_loop``.
+
+  Args:
+    state: from :func:`init_state`.
+    reqs: the trace.
+    params: the scheduler knobs.
+    max_steps: ``T``, static: rows of the step buffers.
+
+  Returns:
+    ``(final_state, StepTrace)``: rows ``0 .. final_state.step - 1`` are the
+    executed steps. ``final_state.error`` is ``OUT_OF_STEPS`` when requests
+    were left after ``T`` steps, ``STALLED`` when a step scheduled nothing.
+  """
+  _, rec0 = jax.eval_shape(step, state, reqs, params)
+  trace0 = jax.tree.map(
+    lambda x: jnp.zeros((max_steps, *x.shape), x.dtype), rec0
+  )
+
+  def pending(st):
+    return st.num_running + st.num_waiting > 0
+
+  def cond(carry):
+    st, _ = carry
+    return (st.error == SimStatus.OK) & (st.step < max_steps) & pending(st)
+
+  def body(carry):
+    st, trace = carry
+    st, rec = step(st, reqs, params)
+    stalled = rec.sched_rid[0] < 0
+    trace = jax.tree.map(lambda buf, x: buf.at[st.step].set(x), trace, rec)
+    st = st.replace(
+      step=st.step + (~stalled).astype(jnp.int32),
+      error=jnp.where(
+        stalled & (st.error == SimStatus.OK),
+        jnp.int32(SimStatus.STALLED),
+        st.error,
+      ),
+    )
+    return st, trace
+
+  st, trace = jax.lax.while_loop(cond, body, (state, trace0))
+  st = st.replace(
+    error=jnp.where(
+      (st.error == SimStatus.OK) & pending(st),
+      jnp.int32(SimStatus.OUT_OF_STEPS),
+      st.error,
+    )
+  )
+  return st, trace
