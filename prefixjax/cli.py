@@ -6,6 +6,8 @@ Subcommands:
   built-in generated workload (no files needed).
 * ``replay``: hit-rate replay of a trace (or the built-in workload) through
   caches of several capacities and policies, one compiled program per policy.
+* ``simulate``: engine-step serving simulation of a trace through vLLM
+  0.33's v1 FCFS scheduler (latency, hit-rate, block, throughput metrics).
 
 Bad arguments and bad input files exit with status 2 and a one-line message;
 ``--debug`` shows the traceback instead.
@@ -549,6 +551,199 @@ def _replay_table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def _positive_float(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+  if not value > 0:
+    raise argparse.ArgumentTypeError(f"{value} must be > 0")
+  return value
+
+
+def _add_simulate(subparsers) -> None:
+  p = subparsers.add_parser(
+    "simulate",
+    help="engine-step serving simulation (vLLM 0.33 FCFS scheduler)",
+    description=(
+      "Serves a trace (or a generated workload) through vLLM 0.33's v1 "
+      "FCFS scheduler on the on-device prefix cache, one jitted loop over "
+      "engine steps, and prints latency, hit-rate, block and throughput "
+      "metrics."
+    ),
+  )
+  src = p.add_mutually_exclusive_group()
+  src.add_argument("--trace", metavar="PATH", help="trace file with token ids")
+  src.add_argument(
+    "--workload",
+    metavar="NAME",
+    help="a generate_workload kind (default: the built-in workload)",
+  )
+  p.add_argument(
+    "--format", default="auto", choices=("auto", "mooncake", "tokens", "csv")
+  )
+  p.add_argument("--requests", type=_positive_int, default=200, metavar="N")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--block-size", type=int, default=16, metavar="K")
+  p.add_argument(
+    "--num-blocks",
+    type=int,
+    default=2048,
+    metavar="N",
+    help="usable KV blocks (vLLM's null block is extra)",
+  )
+  p.add_argument("--max-num-seqs", type=int, default=64)
+  p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+  p.add_argument("--max-model-len", type=int, default=4096)
+  p.add_argument(
+    "--chunked-prefill",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+  )
+  p.add_argument(
+    "--arrivals",
+    default="zero",
+    choices=("trace", "zero", "poisson"),
+    help="zero (default): every request at step 0; trace: at the trace's "
+    "timestamps, one step per --step-time-ms; poisson: at --rate "
+    "requests/s",
+  )
+  p.add_argument(
+    "--rate", type=_positive_float, metavar="R", help="poisson: requests/s"
+  )
+  p.add_argument(
+    "--step-time-ms",
+    type=_positive_float,
+    default=None,
+    metavar="MS",
+    help="milliseconds per engine step (needed by trace / poisson)",
+  )
+  p.add_argument("--scheduler", default="fcfs")
+  p.add_argument("--semantics", default="vllm")
+  p.add_argument("--json", metavar="OUT", help="write the metrics as JSON")
+  p.add_argument(
+    "--requests-out", metavar="OUT", help="one JSON line per request"
+  )
+  _add_compile_cache(p)
+  _add_debug(p)
+  p.set_defaults(func=_cmd_simulate)
+
+
+def _simulate_config(args):
+  """The ServingConfig of the flags; its errors named by flag."""
+  from prefixjax.serving import ServingConfig
+
+  flags = dict(
+    num_gpu_blocks="--num-blocks",
+    block_size="--block-size",
+    max_num_seqs="--max-num-seqs",
+    max_num_batched_tokens="--max-num-batched-tokens",
+    max_model_len="--max-model-len",
+    chunked_prefill="--[no-]chunked-prefill",
+  )
+  try:
+    return ServingConfig(
+      num_gpu_blocks=args.num_blocks + 1,
+      block_size=args.block_size,
+      max_num_seqs=args.max_num_seqs,
+      max_num_batched_tokens=args.max_num_batched_tokens,
+      max_model_len=args.max_model_len,
+      chunked_prefill=args.chunked_prefill,
+    )
+  except ValueError as err:
+    msg = str(err)
+    field = msg.split("=", 1)[0].removeprefix("ServingConfig.")
+    raise CliError(f"{flags.get(field, field)}: {msg}") from None
+
+
+def _check_simulate_args(args):
+  """Flag rules checked before any work; returns the ServingConfig."""
+  if args.scheduler != "fcfs":
+    raise CliError(
+      f"--scheduler {args.scheduler}: not implemented yet (only fcfs)"
+    )
+  if args.semantics != "vllm":
+    raise CliError(
+      f"--semantics {args.semantics}: not implemented yet (only vllm)"
+    )
+  if args.arrivals in ("trace", "poisson") and args.step_time_ms is None:
+    raise CliError(f"--arrivals {args.arrivals} needs --step-time-ms")
+  if args.arrivals == "poisson" and args.rate is None:
+    raise CliError("--arrivals poisson needs --rate")
+  if args.rate is not None and args.arrivals != "poisson":
+    raise CliError(f"--rate is for --arrivals poisson, not {args.arrivals}")
+  if args.workload is not None:
+    from prefixjax.workloads import workload_kinds
+
+    if args.workload not in workload_kinds():
+      raise CliError(
+        f"--workload {args.workload}: unknown; use one of "
+        f"{', '.join(workload_kinds())}"
+      )
+  if args.json:
+    _check_output("--json", args.json)
+  if args.requests_out:
+    _check_output("--requests-out", args.requests_out)
+  return _simulate_config(args)
+
+
+def _cmd_simulate(args) -> int:
+  config = _check_simulate_args(args)
+  _use_compile_cache(args)
+
+  from prefixjax import serving
+  from prefixjax.workloads import (
+    default_workload,
+    generate_workload,
+    load_trace,
+  )
+
+  if args.trace:
+    trace = load_trace(args.trace, args.format, limit=args.requests)
+  elif args.workload:
+    trace = generate_workload(
+      args.workload, num_requests=args.requests, seed=args.seed
+    )
+  else:
+    trace = default_workload(num_requests=args.requests, seed=args.seed)
+  result = serving.simulate(
+    trace,
+    config,
+    arrivals=args.arrivals,
+    step_time_ms=args.step_time_ms,
+    rate=args.rate,
+    seed=args.seed,
+  )
+  if not result.ok:
+    raise CliError(f"simulation ended with status {result.status}")
+  metrics = result.metrics()
+  width = max(map(len, metrics))
+  for key, value in metrics.items():
+    shown = (
+      "-"
+      if value is None
+      else (f"{value:,.4f}" if isinstance(value, float) else f"{value:,}")
+    )
+    print(f"{key:<{width}}  {shown:>14}")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(metrics, f, indent=2)
+      f.write("\n")
+  if args.requests_out:
+    with open(args.requests_out, "w") as f:
+      for rec in result.requests():
+        line = dict(
+          id=rec["rid"],
+          prompt_tokens=rec["prompt_len"],
+          hit_tokens=rec.get("hit_first_sched"),
+          first_token_step=rec.get("first_token_step"),
+          finish_step=rec.get("finish_step"),
+          preemptions=rec.get("num_preemptions", 0),
+        )
+        f.write(json.dumps(line) + "\n")
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   """The argument parser (exposed for tests and docs)."""
   from prefixjax import __version__
@@ -566,6 +761,7 @@ def build_parser() -> argparse.ArgumentParser:
   subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
   _add_demo(subparsers)
   _add_replay(subparsers)
+  _add_simulate(subparsers)
   return parser
 
 

@@ -59,11 +59,24 @@ def _long_pair(rng, max_model_len):
   ]
 
 
-def _compare(records, config, *, max_steps=MAX_STEPS):
-  """Runs both; asserts equal steps, then equal requests; returns steps."""
+def _compare(records, config, *, max_steps=MAX_STEPS, step_time_ms=None):
+  """Runs both; asserts equal steps, then equal requests; returns steps.
+
+  With ``step_time_ms`` both run the trace's arrival times (the model's
+  ``arrivals="time"``, the simulator's ``"trace"``).
+  """
   model = VllmScheduler(**dataclasses.asdict(config))
-  steps, reqs = model.simulate(records, check_invariants=True)
-  got = serving.simulate(records, config, max_steps=max_steps)
+  timed = {} if step_time_ms is None else dict(step_dt_ms=step_time_ms)
+  steps, reqs = model.simulate(
+    records, "time" if timed else "zero", check_invariants=True, **timed
+  )
+  got = serving.simulate(
+    records,
+    config,
+    max_steps=max_steps,
+    arrivals="trace" if timed else "zero",
+    step_time_ms=step_time_ms,
+  )
   assert got.status == "OK"
   mine = got.steps()
   for s_model, s_mine in zip(steps, mine, strict=False):
@@ -225,3 +238,215 @@ def test_random_configs_match_model(rng):
     )
     records = _long_pair(rng, max_model_len) + _records(rng, 8, fabricate=True)
     _compare(records, config)
+
+
+# ------------------------------------------------------------ arrivals
+class _InstrumentedModel(VllmScheduler):
+  """The model, noting per executed step what its records leave out."""
+
+  def _reset(self):
+    super()._reset()
+    self.frag = []  # reserved but unused slots after scheduling
+
+  def schedule(self):
+    out = super().schedule()
+    if out.scheduled:
+      k = self.block_size
+      self.frag.append(sum(-r.num_computed_tokens % k for r in self.running))
+    return out
+
+
+def _timed_records(rng, records, step_time_ms, *, idle_gaps=True):
+  """Random arrival times: bursts, and gaps long enough to go idle."""
+  t = 0
+  for rec in records:
+    rec["arrival_time_ns"] = t
+    gap = rng.exponential(3 * step_time_ms * 1e6)
+    if idle_gaps and rng.random() < 0.25:
+      gap += rng.integers(50, 200) * step_time_ms * 1e6
+    t += int(gap) if rng.random() < 0.8 else 0
+  if idle_gaps:  # one arrival long after the others are done: idle
+    records[-1]["arrival_time_ns"] += int(5000 * step_time_ms * 1e6)
+  rng.shuffle(records)  # arrival order is not record order
+  return records
+
+
+@pytest.mark.parametrize("preempt", [False, True], ids=["roomy", "tight"])
+def test_trace_arrivals_match_model_step_by_step(rng, preempt):
+  step_time_ms = float(rng.choice([0.5, 2.0, 7.3]))
+  if preempt:
+    config = _config(num_gpu_blocks=cdiv(128, 4) + 1 + 8)
+    pair = _long_pair(rng, 128)
+    records = pair + _records(rng, NUM_REQUESTS - 2)
+  else:
+    config = _config(long_prefill_token_threshold=int(rng.choice([0, 7])))
+    records = _records(rng, fabricate=True)
+  records = _timed_records(rng, records, step_time_ms)
+  if preempt:  # the long pair together: one of them is preempted
+    for rec in pair:
+      rec["arrival_time_ns"] = 0
+  steps, reqs = _compare(records, config, step_time_ms=step_time_ms)
+  arrival = [r["arrival_step"] for r in reqs]
+  assert len(set(arrival)) > 1
+  assert steps[-1]["step"] + 1 > len(steps)  # the clock skipped steps
+  if preempt:
+    assert sum(len(s["preempted"]) for s in steps) >= 1
+
+
+def test_poisson_arrivals_are_seeded_trace_arrivals(rng):
+  config = _config()
+  records = _records(rng)
+  rate, seed, step_time_ms = 200.0, int(rng.integers(2**31)), 1.5
+  got = serving.simulate(
+    records,
+    config,
+    arrivals="poisson",
+    rate=rate,
+    seed=seed,
+    step_time_ms=step_time_ms,
+    max_steps=MAX_STEPS,
+  )
+  gaps = np.random.default_rng(seed).exponential(1 / rate, len(records))
+  times = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
+  for rec, x in zip(records, times, strict=True):
+    rec["arrival_time_ns"] = int(round(x * 1e9))
+  model = VllmScheduler(**dataclasses.asdict(config))
+  steps, reqs = model.simulate(records, "time", step_time_ms)
+  assert got.steps() == steps
+  assert got.requests() == reqs
+  assert got.metrics()["idle_steps"] == _model_idle_steps(steps, reqs)
+
+
+@pytest.mark.parametrize(
+  "kw, match",
+  [
+    (dict(arrivals="later"), "arrivals="),
+    (dict(arrivals="trace"), "step_time_ms"),
+    (dict(arrivals="poisson", step_time_ms=1.0), "rate"),
+    (dict(arrivals="poisson", step_time_ms=1.0, rate=-1.0), "rate"),
+    (dict(step_time_ms=0.0), "step_time_ms"),
+  ],
+)
+def test_bad_arrivals_are_refused(kw, match):
+  records = [dict(input_tok_ids=[1, 2, 3], output_toks=2)]
+  with pytest.raises(ValueError, match=match):
+    serving.simulate(records, _config(), **kw)
+  if kw.get("arrivals") == "trace":
+    with pytest.raises(ValueError, match="arrival_time_ns"):
+      serving.simulate(records, _config(), arrivals="trace", step_time_ms=1.0)
+
+
+# ------------------------------------------------------------- metrics
+def _model_idle_steps(steps, reqs):
+  """The harness's idle steps from the records: the clock's jumps.
+
+  The jumps telescope: from step 0 to the first executed step, over each
+  gap after a step that left the engine empty, and, past the last step, to
+  the last arrival (requests arriving then are all rejected: the harness
+  still jumps to them).
+  """
+  idle = steps[0]["step"]  # from step 0 to the first arrival
+  for prev, cur in zip(steps, steps[1:], strict=False):
+    if prev["running"] + prev["waiting"] == 0:
+      idle += cur["step"] - prev["step"] - 1
+  last = steps[-1]["step"]
+  late = [r["arrival_step"] for r in reqs if r["arrival_step"] > last]
+  return idle + (max(late) - last - 1 if late else 0)
+
+
+def _pcts(prefix, x, scale):
+  out = {}
+  for q in (50, 90, 99):
+    v = float(np.percentile(np.asarray(x, np.float64), q))
+    out[f"{prefix}_steps_p{q}"] = v
+    out[f"{prefix}_s_p{q}"] = v * scale
+  return out
+
+
+def test_metrics_match_numpy_over_model_records(rng):
+  step_time_ms = 2.0
+  config = _config(num_gpu_blocks=cdiv(128, 4) + 1 + 8)
+  pair = _long_pair(rng, 128)
+  records = _timed_records(
+    rng, pair + _records(rng, NUM_REQUESTS - 2), step_time_ms
+  )
+  for rec in pair:  # together: one of them is preempted
+    rec["arrival_time_ns"] = 0
+  model = _InstrumentedModel(**dataclasses.asdict(config))
+  steps, reqs = model.simulate(records, "time", step_time_ms)
+  got = serving.simulate(
+    records,
+    config,
+    arrivals="trace",
+    step_time_ms=step_time_ms,
+    max_steps=MAX_STEPS,
+  )
+  m = got.metrics()
+  scale = step_time_ms / 1e3
+  k, usable = config.block_size, config.usable_blocks
+  ok = [r for r in reqs if r["status"] != "rejected"]
+  done = [r for r in ok if r["status"] == "finished"]
+  prompt = sum(r["prompt_len"] for r in ok)
+  hit = sum(r["hit_first_sched"] for r in ok)
+  in_use = np.array([usable - s["free_blocks"] for s in steps])
+  frag = np.array(model.frag)
+  makespan = steps[-1]["step"] + 1
+  out_tokens = sum(r["num_output_tokens"] for r in ok)
+  multi = [r for r in done if r["num_output_tokens"] > 1]
+  want = dict(
+    steps=len(steps),
+    idle_steps=_model_idle_steps(steps, reqs),
+    makespan_steps=makespan,
+    makespan_s=makespan * scale,
+    requests=len(reqs),
+    finished=len(done),
+    rejected=len(reqs) - len(ok),
+    prompt_tokens=prompt,
+    hit_tokens=hit,
+    token_hit_rate=hit / prompt,
+    prefill_tokens_computed=sum(s["prefill_tokens"] for s in steps),
+    prefill_tokens_saved=hit + sum(r["resume_hit_tokens"] for r in ok),
+    preemptions=sum(len(s["preempted"]) for s in steps),
+    peak_blocks_in_use=int(in_use.max()),
+    mean_blocks_in_use=float(in_use.mean()),
+    internal_fragmentation_tokens=float(frag.mean()),
+    internal_fragmentation=float(np.mean(frag / np.maximum(in_use * k, 1))),
+    **_pcts(
+      "ttft",
+      [r["first_token_step"] + 1 - r["arrival_step"] for r in done],
+      scale,
+    ),
+    **_pcts(
+      "tpot",
+      [
+        (r["finish_step"] - r["first_token_step"])
+        / (r["num_output_tokens"] - 1)
+        for r in multi
+      ],
+      scale,
+    ),
+    **_pcts(
+      "e2e", [r["finish_step"] + 1 - r["arrival_step"] for r in done], scale
+    ),
+    **_pcts(
+      "queue",
+      [r["first_sched_step"] - r["arrival_step"] for r in done],
+      scale,
+    ),
+    output_tokens=out_tokens,
+    throughput_tokens_per_step=out_tokens / makespan,
+    throughput_tokens_per_s=out_tokens / (makespan * scale),
+  )
+  assert sorted(m) == sorted(want)
+  for key, value in want.items():
+    assert m[key] == pytest.approx(value, rel=1e-12), key
+  assert m["preemptions"] >= 1 and m["hit_tokens"] > 0
+  assert m["internal_fragmentation_tokens"] > 0
+
+
+def test_metrics_without_step_time_have_no_seconds(rng):
+  got = serving.simulate(_records(rng), _config(), max_steps=MAX_STEPS)
+  m = got.metrics()
+  assert m["idle_steps"] == 0 and m["makespan_steps"] == m["steps"]
+  assert m["ttft_s_p50"] is None and m["throughput_tokens_per_s"] is None
+  assert m["ttft_steps_p50"] >= 1

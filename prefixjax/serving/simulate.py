@@ -6,14 +6,15 @@ outputs, its block keys, the FCFS waiting order), runs
 engine steps) and returns a :class:`SimResult`, whose :meth:`SimResult.steps`
 and :meth:`SimResult.requests` have the keys and values of
 ``tests/reference_models/vllm_scheduler.py`` ``VllmScheduler.simulate``
-(arrivals ``"zero"``; no ``cached_hashes``).
+(arrivals ``"zero"``, or ``"time"`` for ``"trace"`` and ``"poisson"``; no
+``cached_hashes``), and :meth:`SimResult.metrics` summarises them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -26,14 +27,18 @@ from prefixjax.serving.config import ServingConfig
 from prefixjax.workloads import Trace
 
 __all__ = [
+  "ARRIVALS",
   "NUM_FABRICATED_VOCAB",
   "SimResult",
+  "arrival_steps",
   "fabricated_token",
   "records_from_trace",
   "simulate",
 ]
 
 NUM_FABRICATED_VOCAB = 32000
+ARRIVALS = ("zero", "trace", "poisson")
+Arrivals = Literal["zero", "trace", "poisson"]
 
 
 def fabricated_token(rid: int, pos: int) -> int:
@@ -43,6 +48,9 @@ def fabricated_token(rid: int, pos: int) -> int:
 
 def records_from_trace(trace: Trace) -> list[dict[str, Any]]:
   """A :class:`prefixjax.workloads.Trace` as the harness's trace records.
+
+  Each record has ``input_tok_ids``, ``output_toks``, ``arrival_time_ns``
+  (``round(arrival_times_s * 1e9)``) and, with output ids, ``output_tok_ids``.
 
   Raises:
     ValueError: the trace has no token ids.
@@ -54,6 +62,7 @@ def records_from_trace(trace: Trace) -> list[dict[str, Any]]:
     rec: dict[str, Any] = dict(
       input_tok_ids=[int(t) for t in trace.input_token_ids[i]],
       output_toks=int(trace.output_lengths[i]),
+      arrival_time_ns=int(round(float(trace.arrival_times_s[i]) * 1e9)),
     )
     if trace.output_token_ids is not None:
       rec["output_tok_ids"] = [int(t) for t in trace.output_token_ids[i]]
@@ -89,10 +98,14 @@ class SimResult:
     config: the engine configuration.
     status: :class:`prefixjax.serving.vllm_fcfs.SimStatus` name (``"OK"``).
     num_steps: engine steps executed (each scheduled tokens).
+    idle_steps: clock steps skipped while nothing was running or waiting.
+    step_time_ms: milliseconds per engine step, or ``None`` (then the
+      metrics in seconds are ``None``).
     trace: a :class:`prefixjax.serving.vllm_fcfs.StepRecord` of ``[T, ...]``
       numpy arrays (rows past ``num_steps`` are padding).
     prompt_len: ``[R]`` prompt lengths.
     max_tokens: ``[R]`` output tokens requested.
+    arrival_step: ``[R]`` step at which each request arrived.
     rejected: ``[R]`` bool, prompts the input checks refused.
     finished: ``[R]`` bool.
     first_sched_step, hit_first_sched, first_token_step, finish_step,
@@ -103,9 +116,12 @@ class SimResult:
   config: ServingConfig
   status: str
   num_steps: int
+  idle_steps: int
+  step_time_ms: float | None
   trace: engine.StepRecord
   prompt_len: np.ndarray
   max_tokens: np.ndarray
+  arrival_step: np.ndarray
   rejected: np.ndarray
   finished: np.ndarray
   first_sched_step: np.ndarray
@@ -145,7 +161,7 @@ class SimResult:
       free = int(t.free_blocks[i])
       out.append(
         dict(
-          step=i,
+          step=int(t.step[i]),
           sched=sched,
           tokens=int(t.sched_n[i].sum()),
           prefill_tokens=int(t.prefill_tokens[i]),
@@ -177,7 +193,7 @@ class SimResult:
         rid=rid,
         prompt_len=int(self.prompt_len[rid]),
         max_tokens=int(self.max_tokens[rid]),
-        arrival_step=0,
+        arrival_step=int(self.arrival_step[rid]),
         priority=0,
       )
       if self.rejected[rid]:
@@ -206,6 +222,156 @@ class SimResult:
       )
       out.append(rec)
     return out
+
+  def metrics(self) -> dict[str, Any]:
+    """Summary of the run; plain Python numbers (``None`` where undefined).
+
+    Keys (steps are engine steps; ``*_s`` keys are ``steps * step_time_ms
+    / 1000`` and ``None`` without ``step_time_ms``):
+
+    * ``steps``: steps executed; ``idle_steps``: steps the clock skipped
+      while the engine was empty; ``makespan_steps``: last executed step +
+      1 (idle steps included), ``makespan_s``.
+    * ``requests``, ``finished``, ``rejected``: request counts.
+    * ``prompt_tokens``: prompt tokens of the requests not rejected;
+      ``hit_tokens``: prefix-cache hits at each request's first admission
+      (vLLM's ``num_cached_tokens``); ``token_hit_rate`` = their ratio.
+    * ``prefill_tokens_computed``: prefill tokens scheduled (recomputation
+      after preemption included); ``prefill_tokens_saved``: tokens served by
+      the cache instead, ``hit_tokens`` plus the hits at resumptions.
+    * ``preemptions``: preemptions summed over requests.
+    * ``peak_blocks_in_use``, ``mean_blocks_in_use``: usable blocks not
+      free after scheduling, max and mean over executed steps.
+    * ``internal_fragmentation_tokens``: reserved but unused token slots
+      after scheduling (each running request's last block's empty slots),
+      mean over executed steps; ``internal_fragmentation``: the same over
+      the reserved slots ``blocks_in_use * K`` (mean of per-step ratios).
+    * ``ttft_steps_p50/p90/p99``: ``first_token_step + 1 - arrival_step``;
+      ``tpot_steps_*``: ``(finish_step - first_token_step) /
+      (num_output_tokens - 1)`` over requests with 2+ outputs;
+      ``e2e_steps_*``: ``finish_step + 1 - arrival_step``;
+      ``queue_steps_*``: ``first_sched_step - arrival_step``; each also in
+      seconds (``ttft_s_p50`` ...). Over finished requests; percentiles are
+      ``numpy.percentile``'s (linear).
+    * ``output_tokens``; ``throughput_tokens_per_step``: output tokens over
+      ``makespan_steps``; ``throughput_tokens_per_s``.
+    """
+    n = self.num_steps
+    t = self.trace
+    k = self.config.block_size
+    scale = None if self.step_time_ms is None else self.step_time_ms / 1e3
+
+    def sec(x):
+      return None if scale is None or x is None else float(x) * scale
+
+    admitted = ~self.rejected
+    seen = admitted & (self.first_sched_step >= 0)
+    done = self.finished & admitted
+    prompt_tokens = int(self.prompt_len[admitted].sum())
+    hit = int(self.hit_first_sched[seen].sum())
+    in_use = self.config.usable_blocks - t.free_blocks[:n].astype(np.int64)
+    frag = t.frag_tokens[:n].astype(np.int64)
+    reserved = in_use * k
+    ratio = np.divide(
+      frag, reserved, out=np.zeros(n, np.float64), where=reserved > 0
+    )
+    makespan = int(t.step[n - 1]) + 1 if n else 0
+    out_tokens = int(self.num_output_tokens[admitted].sum())
+    arr = self.arrival_step[done].astype(np.int64)
+    first_tok = self.first_token_step[done].astype(np.int64)
+    fin = self.finish_step[done].astype(np.int64)
+    nout = self.num_output_tokens[done].astype(np.int64)
+    multi = nout > 1
+    series = dict(
+      ttft=first_tok + 1 - arr,
+      tpot=(fin[multi] - first_tok[multi]) / (nout[multi] - 1),
+      e2e=fin + 1 - arr,
+      queue=self.first_sched_step[done].astype(np.int64) - arr,
+    )
+    m: dict[str, Any] = dict(
+      steps=n,
+      idle_steps=self.idle_steps,
+      makespan_steps=makespan,
+      makespan_s=sec(makespan),
+      requests=len(self.prompt_len),
+      finished=int(done.sum()),
+      rejected=int(self.rejected.sum()),
+      prompt_tokens=prompt_tokens,
+      hit_tokens=hit,
+      token_hit_rate=hit / prompt_tokens if prompt_tokens else None,
+      prefill_tokens_computed=int(t.prefill_tokens[:n].sum()),
+      prefill_tokens_saved=hit + int(self.resume_hit_tokens[seen].sum()),
+      preemptions=int(self.num_preemptions.sum()),
+      peak_blocks_in_use=int(in_use.max()) if n else 0,
+      mean_blocks_in_use=float(in_use.mean()) if n else None,
+      internal_fragmentation_tokens=float(frag.mean()) if n else None,
+      internal_fragmentation=float(ratio.mean()) if n else None,
+    )
+    for name, x in series.items():
+      for q in (50, 90, 99):
+        v = float(np.percentile(x, q)) if len(x) else None
+        m[f"{name}_steps_p{q}"] = v
+        m[f"{name}_s_p{q}"] = sec(v)
+    m["output_tokens"] = out_tokens
+    m["throughput_tokens_per_step"] = (
+      out_tokens / makespan if makespan else None
+    )
+    m["throughput_tokens_per_s"] = (
+      None if scale is None or not makespan else out_tokens / (makespan * scale)
+    )
+    return m
+
+
+def arrival_steps(
+  records: list[Mapping[str, Any]],
+  arrivals: str,
+  step_time_ms: float | None,
+  rate: float | None = None,
+  seed: int = 0,
+) -> np.ndarray:
+  """``[R]`` int32 arrival step of each record.
+
+  ``"zero"``: all 0. ``"trace"``: ``arrival_time_ns // step_ns`` with
+  ``step_ns = round(step_time_ms * 1e6)`` (the harness's ``time``
+  arrivals). ``"poisson"``: the first request at time 0, then gaps drawn
+  with ``numpy.random.default_rng(seed).exponential(1 / rate)`` seconds,
+  rounded to nanoseconds, then as ``"trace"``.
+
+  Raises:
+    ValueError: an unknown ``arrivals``, a missing or non-positive
+      ``step_time_ms`` or ``rate``, a record without ``arrival_time_ns``.
+  """
+  r = len(records)
+  if arrivals not in ARRIVALS:
+    raise ValueError(f"arrivals={arrivals!r}; expected one of {ARRIVALS}")
+  if arrivals == "zero":
+    return np.zeros((r,), np.int32)
+  if step_time_ms is None or not step_time_ms > 0:
+    raise ValueError(
+      f"arrivals={arrivals!r} needs step_time_ms > 0, got {step_time_ms!r}"
+    )
+  step_ns = int(round(step_time_ms * 1e6))
+  if step_ns < 1:
+    raise ValueError(f"step_time_ms={step_time_ms!r} is under a nanosecond")
+  if arrivals == "poisson":
+    if rate is None or not rate > 0:
+      raise ValueError(f"arrivals='poisson' needs rate > 0, got {rate!r}")
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, r)
+    times = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
+    ns = [int(round(x * 1e9)) for x in times]
+  else:
+    ns = []
+    for rid, rec in enumerate(records):
+      if rec.get("arrival_time_ns") is None:
+        raise ValueError(f"record {rid}: no arrival_time_ns")
+      ns.append(int(rec["arrival_time_ns"]))
+  steps = [x // step_ns for x in ns]
+  if min(steps) < 0 or max(steps) >= 2**31 - 1:
+    raise ValueError(
+      f"arrival steps span [{min(steps)}, {max(steps)}]: negative times or "
+      f"too many steps of step_time_ms={step_time_ms}"
+    )
+  return np.asarray(steps, np.int32)
 
 
 def _prepare(records: list[Mapping[str, Any]], config: ServingConfig):
@@ -240,12 +406,18 @@ def simulate(
   trace: Trace | Iterable[Mapping[str, Any]],
   config: ServingConfig,
   *,
+  arrivals: Arrivals = "zero",
+  step_time_ms: float | None = None,
+  rate: float | None = None,
+  seed: int = 0,
   max_steps: int | None = None,
 ) -> SimResult:
   """Serves a trace with vLLM 0.33's v1 FCFS scheduler, step by step.
 
-  Every request arrives at step 0 (the oracle's ``arrivals="zero"``); rid
-  is the record's index. The whole run is one jitted loop
+  rid is the record's index. Requests arrive at the step of
+  :func:`arrival_steps` and can be scheduled in that step; when nothing is
+  running or waiting the clock jumps to the next arrival (idle steps), as
+  ``sched_harness.py`` does. The whole run is one jitted loop
   (:func:`prefixjax.serving.vllm_fcfs.run`).
 
   Args:
@@ -254,6 +426,14 @@ def simulate(
       ``output_tok_ids``; outputs past the ids are the harness's
       :func:`fabricated_token`).
     config: the engine.
+    arrivals: ``"zero"`` (all at step 0), ``"trace"`` (each record's
+      ``arrival_time_ns``, a Trace's ``arrival_times_s``, at step
+      ``floor(t / step_time_ms)``: the oracle's ``arrivals="time"``) or
+      ``"poisson"`` (times drawn at ``rate`` requests/s with ``seed``).
+    step_time_ms: milliseconds per engine step; needed by ``"trace"`` and
+      ``"poisson"``, optional for ``"zero"`` (the metrics in seconds).
+    rate: requests per second of ``"poisson"``.
+    seed: seed of ``"poisson"``'s ``numpy.random.default_rng``.
     max_steps: rows of the step buffers ``T``; by default a power of two
       above twice the trace's tokens, doubled and rerun while the run
       reports ``OUT_OF_STEPS``.
@@ -264,7 +444,8 @@ def simulate(
 
   Raises:
     TypeError: ``config`` is not a :class:`ServingConfig`.
-    ValueError: a record without outputs or with ``max_tokens < 1``.
+    ValueError: a record without outputs or with ``max_tokens < 1``; bad
+      ``arrivals``, ``step_time_ms`` or ``rate`` (see :func:`arrival_steps`).
   """
   if not isinstance(config, ServingConfig):
     raise TypeError(f"config must be a ServingConfig, got {type(config)}")
@@ -273,11 +454,13 @@ def simulate(
   )
   if not records:
     raise ValueError("simulate needs at least one request")
+  if step_time_ms is not None and not step_time_ms > 0:
+    raise ValueError(f"step_time_ms={step_time_ms!r} must be > 0")
+  arrival = arrival_steps(records, arrivals, step_time_ms, rate, seed)
   keys, prompt_len, max_tokens, rejected, lens = _prepare(records, config)
   r = len(records)
-  admitted = np.flatnonzero(~rejected).astype(np.int32)
+  order = np.lexsort((np.arange(r), arrival)).astype(np.int32)
   waiting = np.full((r,), -1, np.int32)
-  waiting[: len(admitted)] = admitted
   status = np.where(
     rejected, engine.ReqStatus.REJECTED, engine.ReqStatus.WAITING
   ).astype(np.int32)
@@ -291,7 +474,7 @@ def simulate(
   state = engine.init_state(
     cache,
     jnp.asarray(waiting),
-    len(admitted),
+    0,
     jnp.asarray(status),
     jnp.asarray(prompt_len),
   )
@@ -299,6 +482,8 @@ def simulate(
     keys=keys,
     prompt_len=jnp.asarray(prompt_len),
     max_tokens=jnp.asarray(max_tokens),
+    arrival_step=jnp.asarray(arrival),
+    arrival_order=jnp.asarray(order),
   )
   params = engine.EngineParams(
     max_num_batched_tokens=jnp.int32(config.max_num_batched_tokens),
@@ -318,10 +503,13 @@ def simulate(
   return SimResult(
     config=config,
     status=err.name,
-    num_steps=int(f.step),
+    num_steps=int(f.num_steps),
+    idle_steps=int(f.idle_steps),
+    step_time_ms=None if step_time_ms is None else float(step_time_ms),
     trace=engine.StepRecord(*(np.asarray(x) for x in trace_out)),
     prompt_len=prompt_len,
     max_tokens=max_tokens,
+    arrival_step=arrival,
     rejected=rejected,
     finished=np.asarray(f.status) == engine.ReqStatus.FINISHED,
     first_sched_step=np.asarray(f.first_sched_step),

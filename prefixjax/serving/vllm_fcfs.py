@@ -116,11 +116,15 @@ class RequestTable:
       (prompt + outputs, cut at ``max_model_len``).
     prompt_len: ``[R]`` int32.
     max_tokens: ``[R]`` int32 output tokens requested.
+    arrival_step: ``[R]`` int32 step at which each request arrives.
+    arrival_order: ``[R]`` int32 request ids by ``(arrival_step, rid)``.
   """
 
   keys: jax.Array
   prompt_len: jax.Array
   max_tokens: jax.Array
+  arrival_step: jax.Array
+  arrival_order: jax.Array
 
 
 @struct.dataclass
@@ -168,7 +172,11 @@ class EngineState:
     waiting: ``[R]`` int32 circular deque of request ids (FCFS).
     waiting_head: ``[]`` int32 index of the deque's front in ``waiting``.
     num_waiting: ``[]`` int32.
-    step: ``[]`` int32 engine steps run (each scheduled tokens).
+    num_arrived: ``[]`` int32 entries of ``RequestTable.arrival_order``
+      that have arrived (queued, or rejected).
+    step: ``[]`` int32 the clock: the number of the next engine step.
+    num_steps: ``[]`` int32 engine steps executed (each scheduled tokens).
+    idle_steps: ``[]`` int32 clock steps skipped while the engine was empty.
     error: ``[]`` int32 :class:`SimStatus`.
   """
 
@@ -193,7 +201,10 @@ class EngineState:
   waiting: jax.Array
   waiting_head: jax.Array
   num_waiting: jax.Array
+  num_arrived: jax.Array
   step: jax.Array
+  num_steps: jax.Array
+  idle_steps: jax.Array
   error: jax.Array
 
 
@@ -201,6 +212,7 @@ class StepRecord(NamedTuple):
   """What one engine step did (one ``steps.jsonl`` line of the harness).
 
   Attributes:
+    step: ``[]`` int32 the step's number on the clock.
     sched_rid: ``[S]`` int32 scheduled requests in scheduler order, -1 pad.
     sched_n: ``[S]`` int32 their scheduled tokens, 0 pad.
     sched_kind: ``[S]`` int32 :class:`SchedKind`.
@@ -214,8 +226,11 @@ class StepRecord(NamedTuple):
     decode_tokens: ``[]`` int32.
     pc_hits: ``[]`` int32 ``PrefixCacheStats`` hits of this step.
     pc_queries: ``[]`` int32 ``PrefixCacheStats`` queries of this step.
+    frag_tokens: ``[]`` int32 reserved but unused token slots after
+      scheduling: ``(-num_computed) mod K`` summed over running requests.
   """
 
+  step: jax.Array
   sched_rid: jax.Array
   sched_n: jax.Array
   sched_kind: jax.Array
@@ -229,6 +244,7 @@ class StepRecord(NamedTuple):
   decode_tokens: jax.Array
   pc_hits: jax.Array
   pc_queries: jax.Array
+  frag_tokens: jax.Array
 
 
 StepTrace = StepRecord
@@ -245,8 +261,9 @@ def init_state(
   num_waiting,
   status: jax.Array,
   prompt_len: jax.Array,
+  num_arrived=0,
 ) -> EngineState:
-  """An engine with every admitted request waiting, in deque order.
+  """An engine with the given requests waiting, in deque order.
 
   Args:
     cache: an empty prefix cache with ``S`` sequence slots.
@@ -254,6 +271,9 @@ def init_state(
     num_waiting: int32 scalar, ids in ``waiting``.
     status: ``[R]`` int32 :class:`ReqStatus` (``WAITING`` or ``REJECTED``).
     prompt_len: ``[R]`` int32 prompt lengths.
+    num_arrived: int32 scalar, leading entries of
+      ``RequestTable.arrival_order`` already in ``waiting`` (or rejected);
+      :func:`run` queues the others as the clock reaches their step.
 
   Returns:
     An :class:`EngineState`.
@@ -286,7 +306,10 @@ def init_state(
     waiting=_i32(waiting),
     waiting_head=zero,
     num_waiting=_i32(num_waiting),
+    num_arrived=_i32(num_arrived),
     step=zero,
+    num_steps=zero,
+    idle_steps=zero,
     error=zero,
   )
 
@@ -557,6 +580,11 @@ def step(
   chunk = gather(st.num_computed, rids) < gather(st.num_tokens, rids)
   st = st.replace(prefill_chunk=scatter(st.prefill_chunk, rids, chunk, lanes))
   free_blocks = st.cache.paging.num_free
+  k = st.cache.block_size
+  run_lanes = jnp.arange(s) < st.num_running
+  frag = jnp.sum(
+    jnp.where(run_lanes, (-gather(st.num_computed, st.running, 0)) % k, 0)
+  )
   st, finished = _update_from_output(st, c, reqs, params)
   # The harness's step record (sched_harness.py / the oracle's _record_step).
   kinds = c["sched_kind"]
@@ -576,6 +604,7 @@ def step(
     first_token_step=scatter(st.first_token_step, rids, st.step, first_tok),
   )
   record = StepRecord(
+    step=st.step,
     sched_rid=rids,
     sched_n=jnp.where(lanes, n, 0),
     sched_kind=jnp.where(lanes, kinds, 0),
@@ -589,8 +618,36 @@ def step(
     decode_tokens=jnp.sum(jnp.where(decode, n, 0)),
     pc_hits=c["pc_hits"],
     pc_queries=c["pc_queries"],
+    frag_tokens=frag.astype(jnp.int32),
   )
   return st, record
+
+
+def _admit(st: EngineState, reqs: RequestTable) -> EngineState:
+  """The harness's ``add_arrivals``: queue every request due by the clock.
+
+  Requests arrive in ``arrival_order``; a rejected one (status
+  ``REJECTED``) is consumed without being queued.
+  """
+  r_len = st.waiting.shape[0]
+
+  def due(st):
+    rid = gather(reqs.arrival_order, st.num_arrived[None], NONE)[0]
+    return (st.num_arrived < r_len) & (
+      gather(reqs.arrival_step, rid[None], 0)[0] <= st.step
+    )
+
+  def body(st):
+    rid = _at(reqs.arrival_order, st.num_arrived)
+    queue = _at(st.status, rid) != ReqStatus.REJECTED
+    tail = (st.waiting_head + st.num_waiting) % r_len
+    return st.replace(
+      waiting=_put(st.waiting, tail, rid, queue),
+      num_waiting=st.num_waiting + queue.astype(jnp.int32),
+      num_arrived=st.num_arrived + 1,
+    )
+
+  return jax.lax.while_loop(due, body, st)
 
 
 @functools.partial(jax.jit, static_argnames="max_steps")
@@ -603,6 +660,14 @@ def run(
 ) -> tuple[EngineState, StepTrace]:
   """Engine steps until no request is left, in one ``lax.while_loop``.
 
+  The clock (``state.step``) follows ``sched_harness.py Engine.run``: each
+  iteration first queues the requests whose ``arrival_step`` the clock has
+  reached (so they can be scheduled in that step); when nothing is running
+  or waiting the clock jumps to the next arrival (``idle_steps`` counts the
+  skipped steps); a step that schedules tokens is recorded and advances the
+  clock; one that schedules nothing while requests are left advances the
+  clock if arrivals are still due, else it is ``STALLED``.
+
   Args:
     state: from :func:`init_state`.
     reqs: the trace.
@@ -610,10 +675,12 @@ def run(
     max_steps: ``T``, static: rows of the step buffers.
 
   Returns:
-    ``(final_state, StepTrace)``: rows ``0 .. final_state.step - 1`` are the
-    executed steps. ``final_state.error`` is ``OUT_OF_STEPS`` when requests
-    were left after ``T`` steps, ``STALLED`` when a step scheduled nothing.
+    ``(final_state, StepTrace)``: rows ``0 .. final_state.num_steps - 1``
+    are the executed steps. ``final_state.error`` is ``OUT_OF_STEPS`` when
+    requests were left after ``T`` executed steps, ``STALLED`` when a step
+    scheduled nothing and no arrival was due.
   """
+  r_len = reqs.arrival_order.shape[0]
   _, rec0 = jax.eval_shape(step, state, reqs, params)
   trace0 = jax.tree.map(
     lambda x: jnp.zeros((max_steps, *x.shape), x.dtype), rec0
@@ -622,17 +689,42 @@ def run(
   def pending(st):
     return st.num_running + st.num_waiting > 0
 
+  def more(st):
+    return st.num_arrived < r_len
+
   def cond(carry):
     st, _ = carry
-    return (st.error == SimStatus.OK) & (st.step < max_steps) & pending(st)
+    return (
+      (st.error == SimStatus.OK)
+      & (st.num_steps < max_steps)
+      & (pending(st) | more(st))
+    )
 
-  def body(carry):
+  def idle(carry):
+    st, trace = carry
+    rid = gather(reqs.arrival_order, st.num_arrived[None], NONE)[0]
+    nxt = jnp.where(
+      more(st), gather(reqs.arrival_step, rid[None], 0)[0], st.step
+    )
+    nxt = jnp.maximum(nxt, st.step)
+    return st.replace(step=nxt, idle_steps=st.idle_steps + nxt - st.step), trace
+
+  def work(carry):
     st, trace = carry
     st, rec = step(st, reqs, params)
-    stalled = rec.sched_rid[0] < 0
-    trace = jax.tree.map(lambda buf, x: buf.at[st.step].set(x), trace, rec)
+    ran = rec.sched_rid[0] >= 0
+    trace = jax.tree.map(
+      lambda buf, x: buf.at[jnp.where(ran, st.num_steps, max_steps)].set(
+        x, mode="drop"
+      ),
+      trace,
+      rec,
+    )
+    stalled = (~ran) & pending(st) & ~more(st)
+    wait = (~ran) & pending(st) & more(st)  # time passes until an arrival
     st = st.replace(
-      step=st.step + (~stalled).astype(jnp.int32),
+      step=st.step + (ran | wait).astype(jnp.int32),
+      num_steps=st.num_steps + ran.astype(jnp.int32),
       error=jnp.where(
         stalled & (st.error == SimStatus.OK),
         jnp.int32(SimStatus.STALLED),
@@ -641,10 +733,15 @@ def run(
     )
     return st, trace
 
+  def body(carry):
+    st, trace = carry
+    st = _admit(st, reqs)
+    return jax.lax.cond(pending(st), work, idle, (st, trace))
+
   st, trace = jax.lax.while_loop(cond, body, (state, trace0))
   st = st.replace(
     error=jnp.where(
-      (st.error == SimStatus.OK) & pending(st),
+      (st.error == SimStatus.OK) & (pending(st) | more(st)),
       jnp.int32(SimStatus.OUT_OF_STEPS),
       st.error,
     )

@@ -1,0 +1,83 @@
+"""``prefixjax simulate``: the serving simulator from the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from reference_models.vllm_scheduler import VllmScheduler
+
+import prefixjax as pj
+from prefixjax import serving
+from prefixjax.cli import main
+
+FLAGS = [
+  "--workload", "multi_turn", "--requests", "8", "--seed", "3",
+  "--block-size", "16", "--num-blocks", "160", "--max-num-seqs", "4",
+  "--max-num-batched-tokens", "256", "--max-model-len", "2048",
+  "--no-compile-cache",
+]  # fmt: skip
+CONFIG = serving.ServingConfig(
+  num_gpu_blocks=161,
+  block_size=16,
+  max_num_seqs=4,
+  max_num_batched_tokens=256,
+  max_model_len=2048,
+)
+
+
+def test_json_and_jsonl_match_simulate_and_model(tmp_path, capsys):
+  out, reqs_out = tmp_path / "m.json", tmp_path / "r.jsonl"
+  argv = [*FLAGS, "--arrivals", "trace", "--step-time-ms", "5"]
+  argv += ["--json", str(out), "--requests-out", str(reqs_out)]
+  assert main(["simulate", *argv]) == 0
+  assert "token_hit_rate" in capsys.readouterr().out
+  trace = pj.generate_workload("multi_turn", num_requests=8, seed=3)
+  got = serving.simulate(trace, CONFIG, arrivals="trace", step_time_ms=5.0)
+  summary = json.loads(out.read_text())
+  assert summary == json.loads(json.dumps(got.metrics()))
+  assert {"steps", "hit_tokens", "preemptions"} <= set(summary)
+  model = VllmScheduler(**dataclasses.asdict(CONFIG))
+  _, reqs = model.simulate(serving.records_from_trace(trace), "time", 5.0)
+  lines = [json.loads(x) for x in reqs_out.read_text().splitlines()]
+  assert len(lines) == len(trace)
+  assert lines == [
+    dict(
+      id=r["rid"],
+      prompt_tokens=r["prompt_len"],
+      hit_tokens=r.get("hit_first_sched"),  # rejected: no such keys
+      first_token_step=r.get("first_token_step"),
+      finish_step=r.get("finish_step"),
+      preemptions=r.get("num_preemptions", 0),
+    )
+    for r in reqs
+  ]
+
+
+@pytest.mark.parametrize(
+  "extra, flag",
+  [
+    (["--num-blocks", "3"], "--num-blocks"),
+    (["--max-num-batched-tokens", "2"], "--max-num-batched-tokens"),
+    (["--block-size", "0"], "--block-size"),
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--scheduler", "priority"], "--scheduler"),
+    (["--semantics", "sglang"], "--semantics"),
+    (["--arrivals", "trace"], "--step-time-ms"),
+    (["--arrivals", "poisson", "--step-time-ms", "1"], "--rate"),
+    (["--arrivals", "zero", "--rate", "3"], "--rate"),
+    (["--workload", "nope"], "--workload"),
+    (["--json", "/no/such/folder/m.json"], "--json"),
+    (["--requests-out", "/no/such/folder/r.jsonl"], "--requests-out"),
+  ],
+)
+def test_bad_flags_exit_2_naming_the_flag(extra, flag, capsys, monkeypatch):
+  def boom(*a, **k):  # refused before any work
+    raise AssertionError("simulate ran")
+
+  monkeypatch.setattr(serving, "simulate", boom)
+  argv = [*FLAGS, "--arrivals", "zero", *extra]
+  assert main(["simulate", *argv]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and flag in err, err
