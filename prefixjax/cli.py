@@ -618,7 +618,12 @@ def _add_simulate(subparsers) -> None:
     metavar="MS",
     help="milliseconds per engine step (needed by trace / poisson)",
   )
-  p.add_argument("--scheduler", default="fcfs")
+  p.add_argument(
+    "--scheduler",
+    default="fcfs",
+    help="fcfs (default) or priority: vLLM's scheduling policy (priority "
+    "reads the records' priority field; a trace without one gets 0)",
+  )
   p.add_argument("--semantics", default="vllm")
   p.add_argument("--json", metavar="OUT", help="write the metrics as JSON")
   p.add_argument(
@@ -649,6 +654,7 @@ def _simulate_config(args):
       max_num_batched_tokens=args.max_num_batched_tokens,
       max_model_len=args.max_model_len,
       chunked_prefill=args.chunked_prefill,
+      policy=args.scheduler,
     )
   except ValueError as err:
     msg = str(err)
@@ -658,9 +664,9 @@ def _simulate_config(args):
 
 def _check_simulate_args(args):
   """Flag rules checked before any work; returns the ServingConfig."""
-  if args.scheduler != "fcfs":
+  if args.scheduler not in ("fcfs", "priority"):
     raise CliError(
-      f"--scheduler {args.scheduler}: not implemented yet (only fcfs)"
+      f"--scheduler {args.scheduler}: unknown; use fcfs or priority"
     )
   if args.semantics != "vllm":
     raise CliError(

@@ -62,7 +62,7 @@ def test_json_and_jsonl_match_simulate_and_model(tmp_path, capsys):
     (["--max-num-batched-tokens", "2"], "--max-num-batched-tokens"),
     (["--block-size", "0"], "--block-size"),
     (["--max-num-seqs", "0"], "--max-num-seqs"),
-    (["--scheduler", "priority"], "--scheduler"),
+    (["--scheduler", "lifo"], "--scheduler"),
     (["--semantics", "sglang"], "--semantics"),
     (["--arrivals", "trace"], "--step-time-ms"),
     (["--arrivals", "poisson", "--step-time-ms", "1"], "--rate"),
@@ -81,3 +81,27 @@ def test_bad_flags_exit_2_naming_the_flag(extra, flag, capsys, monkeypatch):
   assert main(["simulate", *argv]) == 2
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and flag in err, err
+
+
+def test_priority_scheduler_matches_simulate_and_model(tmp_path, capsys):
+  out, reqs_out = tmp_path / "m.json", tmp_path / "r.jsonl"
+  argv = [*FLAGS, "--arrivals", "trace", "--step-time-ms", "5"]
+  argv += ["--scheduler", "priority", "--num-blocks", "33"]
+  argv += ["--max-model-len", "512"]
+  argv += ["--json", str(out), "--requests-out", str(reqs_out)]
+  assert main(["simulate", *argv]) == 0
+  capsys.readouterr()
+  config = dataclasses.replace(
+    CONFIG, num_gpu_blocks=34, max_model_len=512, policy="priority"
+  )
+  trace = pj.generate_workload("multi_turn", num_requests=8, seed=3)
+  records = serving.records_from_trace(trace)  # no priorities: all 0
+  got = serving.simulate(records, config, arrivals="trace", step_time_ms=5.0)
+  assert json.loads(out.read_text()) == json.loads(json.dumps(got.metrics()))
+  model = VllmScheduler(**dataclasses.asdict(config))
+  steps, reqs = model.simulate(records, "time", 5.0)
+  assert got.steps() == steps and got.requests() == reqs
+  lines = [json.loads(x) for x in reqs_out.read_text().splitlines()]
+  assert [x["finish_step"] for x in lines] == [
+    r.get("finish_step") for r in reqs
+  ]

@@ -450,3 +450,135 @@ def test_metrics_without_step_time_have_no_seconds(rng):
   assert m["idle_steps"] == 0 and m["makespan_steps"] == m["steps"]
   assert m["ttft_s_p50"] is None and m["throughput_tokens_per_s"] is None
   assert m["ttft_steps_p50"] >= 1
+
+
+# ------------------------------------------------------- policy "priority"
+def _with_priorities(rng, records, low=-2, high=3):
+  """Random priorities (lower first), some records without one (0)."""
+  for rec in records:
+    if rng.random() < 0.85:
+      rec["priority"] = int(rng.integers(low, high))
+  return records
+
+
+@pytest.mark.parametrize(
+  "chunked, budget, threshold",
+  [(True, 40, 0), (True, 24, 7), (False, 160, 0)],
+  ids=["chunked", "chunked-threshold", "no-chunking"],
+)
+def test_priority_matches_model_without_memory_pressure(
+  rng, chunked, budget, threshold
+):
+  config = _config(
+    max_num_batched_tokens=budget,
+    chunked_prefill=chunked,
+    long_prefill_token_threshold=threshold,
+    policy="priority",
+  )
+  records = _with_priorities(rng, _records(rng, fabricate=True))
+  if rng.random() < 0.5:  # arrival_time is then rid * 1e-3
+    for rec in records:
+      del rec["arrival_time_ns"]
+  steps, reqs = _compare(records, config)
+  assert not any(s["preempted"] for s in steps)
+  assert [r["priority"] for r in reqs] == [
+    rec.get("priority", 0) for rec in records
+  ]
+
+  # The first step admits by (priority, arrival time, rid); long prompts
+  # are rejected.
+  def key(i):
+    ns = records[i].get("arrival_time_ns")
+    return (
+      records[i].get("priority", 0),
+      ns / 1e9 if ns is not None else i * 1e-3,
+      i,
+    )
+
+  want = [
+    i
+    for i in sorted(range(len(records)), key=key)
+    if reqs[i]["status"] != "rejected"
+  ]
+  first = [rid for rid, _ in steps[0]["sched"]]
+  assert first == want[: len(first)]
+
+
+def _priority_pressure(rng, step_time_ms):
+  """Low-priority long pair first, higher-priority requests later.
+
+  The long pair cannot finish side by side in the pool; the later requests
+  join a running list that holds the pair first, so the victims are often
+  before the request being scheduled (already scheduled this step) and
+  some requests preempt themselves.
+  """
+  pair = _long_pair(rng, 128)
+  for rec in pair:
+    rec["priority"] = int(rng.integers(3, 6))
+    rec["arrival_time_ns"] = 0
+  rest = _with_priorities(rng, _records(rng, NUM_REQUESTS - 2), -2, 4)
+  t = int(rng.integers(1, 40) * step_time_ms * 1e6)
+  for rec in rest:
+    rec["arrival_time_ns"] = t
+    t += int(rng.exponential(3 * step_time_ms * 1e6))
+  records = pair + rest
+  rng.shuffle(records)
+  return records
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "whole"])
+def test_priority_matches_model_with_preemption(rng, chunked):
+  step_time_ms = 2.0
+  config = _config(
+    num_gpu_blocks=cdiv(128, 4) + 1 + 8,
+    max_num_batched_tokens=40 if chunked else 160,
+    chunked_prefill=chunked,
+    policy="priority",
+  )
+  records = _priority_pressure(rng, step_time_ms)
+  steps, _ = _compare(records, config, step_time_ms=step_time_ms)
+  assert sum(len(s["preempted"]) for s in steps) >= 1
+  assert any(s["resumed"] for s in steps)
+
+
+def test_fcfs_reports_priorities_and_ignores_them(rng):
+  config = _config(num_gpu_blocks=cdiv(128, 4) + 1 + 8)
+  records = _priority_pressure(rng, 2.0)
+  _, reqs = _compare(records, config, step_time_ms=2.0)
+  assert any(r["priority"] for r in reqs)
+
+
+def test_bad_policy_is_refused():
+  with pytest.raises(ValueError, match="ServingConfig.policy="):
+    _config(policy="lifo")
+  with pytest.raises(TypeError, match="ServingConfig.policy"):
+    _config(policy=None)
+  with pytest.raises(ValueError):
+    VllmScheduler(**{**dataclasses.asdict(_config()), "policy": "lifo"})
+
+
+@pytest.mark.slow
+def test_priority_random_configs_match_model(rng):
+  for _ in range(6):
+    block_size = int(rng.choice([1, 2, 4, 8]))
+    max_model_len = 96
+    need = cdiv(max_model_len, block_size)
+    seqs = int(rng.integers(1, 6))
+    chunked = bool(rng.random() < 0.7)
+    config = ServingConfig(
+      num_gpu_blocks=need + 1 + int(rng.integers(0, need)),
+      block_size=block_size,
+      max_num_seqs=seqs,
+      max_num_batched_tokens=int(rng.integers(max(seqs, 8), 80))
+      if chunked
+      else int(rng.integers(max_model_len, 200)),
+      max_model_len=max_model_len,
+      chunked_prefill=chunked,
+      long_prefill_token_threshold=int(rng.choice([0, 5, 17])),
+      policy="priority",
+    )
+    pair = _long_pair(rng, max_model_len)
+    records = _with_priorities(rng, pair + _records(rng, 8, fabricate=True))
+    step_time_ms = float(rng.choice([0.5, 2.0]))
+    records = _timed_records(rng, records, step_time_ms, idle_gaps=False)
+    _compare(records, config, step_time_ms=step_time_ms)

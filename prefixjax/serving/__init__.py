@@ -1,8 +1,9 @@
 """Serving simulators: engine-step schedulers on the on-device prefix cache.
 
 * :class:`ServingConfig`: the engine's scheduler and KV-cache sizes.
-* :func:`simulate`: a trace through vLLM 0.33's v1 FCFS scheduler, one
-  jitted loop over engine steps (:mod:`prefixjax.serving.vllm_fcfs`),
+* :func:`simulate`: a trace through vLLM 0.33's v1 scheduler (FCFS or
+  priority, ``ServingConfig.policy``), one jitted loop over engine steps
+  (:mod:`prefixjax.serving.vllm_fcfs`),
   returning a :class:`SimResult` in the oracle's record format, with
   arrivals at step 0, from the trace's times or Poisson, and
   :meth:`SimResult.metrics` (latencies, hit rate, blocks, throughput).

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["ServingConfig"]
+__all__ = ["POLICIES", "ServingConfig"]
+
+POLICIES = ("fcfs", "priority")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -39,6 +41,10 @@ class ServingConfig:
     chunked_prefill: whether a prompt may be split over several steps.
     long_prefill_token_threshold: cap on one request's tokens per step
       while more than one request is running or waiting; 0 is no cap.
+    policy: ``"fcfs"`` (default) or ``"priority"`` (vLLM's
+      ``SchedulerConfig.policy``): the waiting order and the preemption
+      victim; ``"priority"`` reads each record's ``priority`` (lower
+      first, default 0).
 
   Raises:
     TypeError: a field of the wrong type.
@@ -58,10 +64,20 @@ class ServingConfig:
   max_model_len: int
   chunked_prefill: bool = True
   long_prefill_token_threshold: int = 0
+  policy: str = "fcfs"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
-      if f.name == "chunked_prefill":
+      if f.name == "policy":
+        if not isinstance(self.policy, str):
+          raise TypeError(
+            f"ServingConfig.policy must be a str, got {self.policy!r}"
+          )
+        if self.policy not in POLICIES:
+          raise ValueError(
+            f"ServingConfig.policy={self.policy!r} must be one of {POLICIES}"
+          )
+      elif f.name == "chunked_prefill":
         if not isinstance(self.chunked_prefill, bool):
           raise TypeError(
             "ServingConfig.chunked_prefill must be a bool, got "

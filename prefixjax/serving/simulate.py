@@ -1,7 +1,7 @@
 """Host side of the serving simulator: trace in, oracle-format records out.
 
 :func:`simulate` prepares a trace (token ids of every request's prompt and
-outputs, its block keys, the FCFS waiting order), runs
+outputs, its block keys, the arrival and priority orders), runs
 :func:`prefixjax.serving.vllm_fcfs.run` (one jitted ``lax.while_loop`` over
 engine steps) and returns a :class:`SimResult`, whose :meth:`SimResult.steps`
 and :meth:`SimResult.requests` have the keys and values of
@@ -111,6 +111,8 @@ class SimResult:
     first_sched_step, hit_first_sched, first_token_step, finish_step,
     num_output_tokens, num_preemptions, resume_hit_tokens, sched_steps,
     prefill_steps: ``[R]`` int per request (-1 where a step never came).
+    priority: ``[R]`` int each record's ``priority`` (0 without one), or
+      ``None`` (all 0).
   """
 
   config: ServingConfig
@@ -133,6 +135,7 @@ class SimResult:
   resume_hit_tokens: np.ndarray
   sched_steps: np.ndarray
   prefill_steps: np.ndarray
+  priority: np.ndarray | None = None
 
   @property
   def ok(self) -> bool:
@@ -194,7 +197,7 @@ class SimResult:
         prompt_len=int(self.prompt_len[rid]),
         max_tokens=int(self.max_tokens[rid]),
         arrival_step=int(self.arrival_step[rid]),
-        priority=0,
+        priority=0 if self.priority is None else int(self.priority[rid]),
       )
       if self.rejected[rid]:
         rec["status"] = "rejected"
@@ -322,6 +325,49 @@ class SimResult:
     return m
 
 
+def _poisson_ns(r: int, rate: float, seed: int) -> list[int]:
+  """Poisson arrival times in ns: 0, then ``exponential(1 / rate)`` gaps."""
+  gaps = np.random.default_rng(seed).exponential(1.0 / rate, r)
+  times = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
+  return [int(round(x * 1e9)) for x in times]
+
+
+def _priority_order(
+  records: list[Mapping[str, Any]],
+  arrivals: str,
+  rate: float | None,
+  seed: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Each record's ``priority`` and its ranks in vLLM's priority order.
+
+  ``Request.__lt__`` orders by ``(priority, arrival_time, request_id)``;
+  ``arrival_time`` is the harness's: ``arrival_time_ns / 1e9`` (the drawn
+  time for ``"poisson"``), or ``rid * 1e-3`` without one; ``request_id``
+  sorts as the rid.
+
+  Returns:
+    ``(priority, rank, prio_key)``: ``[R]`` int64 priorities; ``[R]`` int32
+    ranks: ``rank`` is the
+    position in the full order, ``prio_key`` the dense rank of
+    ``(priority, arrival_time)`` (ties equal: the victim key).
+  """
+  r = len(records)
+  priority = [int(rec.get("priority", 0)) for rec in records]
+  if arrivals == "poisson":
+    assert rate is not None
+    ns: list[Any] = list(_poisson_ns(r, rate, seed))
+  else:
+    ns = [rec.get("arrival_time_ns") for rec in records]
+  times = [x / 1e9 if x is not None else rid * 1e-3 for rid, x in enumerate(ns)]
+  keys = list(zip(priority, times, strict=True))
+  order = sorted(range(r), key=lambda rid: (keys[rid], rid))
+  rank = np.zeros((r,), np.int32)
+  rank[order] = np.arange(r, dtype=np.int32)
+  distinct = {k: j for j, k in enumerate(sorted(set(keys)))}
+  prio_key = np.asarray([distinct[k] for k in keys], np.int32)
+  return np.asarray(priority, np.int64), rank, prio_key
+
+
 def arrival_steps(
   records: list[Mapping[str, Any]],
   arrivals: str,
@@ -356,9 +402,7 @@ def arrival_steps(
   if arrivals == "poisson":
     if rate is None or not rate > 0:
       raise ValueError(f"arrivals='poisson' needs rate > 0, got {rate!r}")
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate, r)
-    times = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
-    ns = [int(round(x * 1e9)) for x in times]
+    ns = _poisson_ns(r, rate, seed)
   else:
     ns = []
     for rid, rec in enumerate(records):
@@ -412,7 +456,13 @@ def simulate(
   seed: int = 0,
   max_steps: int | None = None,
 ) -> SimResult:
-  """Serves a trace with vLLM 0.33's v1 FCFS scheduler, step by step.
+  """Serves a trace with vLLM 0.33's v1 scheduler, step by step.
+
+  ``config.policy`` picks FCFS (the default) or PRIORITY: then the waiting
+  queue is ordered by each record's ``priority`` (lower first, default 0;
+  a :class:`prefixjax.workloads.Trace` has none), then arrival time, then
+  rid, and the preemption victim is the running request with the largest
+  ``(priority, arrival_time)``.
 
   rid is the record's index. Requests arrive at the step of
   :func:`arrival_steps` and can be scheduled in that step; when nothing is
@@ -457,6 +507,8 @@ def simulate(
   if step_time_ms is not None and not step_time_ms > 0:
     raise ValueError(f"step_time_ms={step_time_ms!r} must be > 0")
   arrival = arrival_steps(records, arrivals, step_time_ms, rate, seed)
+  priority, rank, prio_key = _priority_order(records, arrivals, rate, seed)
+  by_priority = config.policy == "priority"
   keys, prompt_len, max_tokens, rejected, lens = _prepare(records, config)
   r = len(records)
   order = np.lexsort((np.arange(r), arrival)).astype(np.int32)
@@ -484,6 +536,8 @@ def simulate(
     max_tokens=jnp.asarray(max_tokens),
     arrival_step=jnp.asarray(arrival),
     arrival_order=jnp.asarray(order),
+    rank=jnp.asarray(rank) if by_priority else None,
+    prio_key=jnp.asarray(prio_key) if by_priority else None,
   )
   params = engine.EngineParams(
     max_num_batched_tokens=jnp.int32(config.max_num_batched_tokens),
@@ -494,7 +548,9 @@ def simulate(
   retry = max_steps is None
   steps = max_steps or _next_pow2(2 * int(lens.sum()) + 16)
   while True:
-    final, trace_out = engine.run(state, reqs, params, max_steps=steps)
+    final, trace_out = engine.run(
+      state, reqs, params, max_steps=steps, policy=config.policy
+    )
     err = engine.SimStatus(int(final.error))
     if not (retry and err == engine.SimStatus.OUT_OF_STEPS):
       break
@@ -521,4 +577,5 @@ def simulate(
     resume_hit_tokens=np.asarray(f.resume_hit_tokens),
     sched_steps=np.asarray(f.sched_steps),
     prefill_steps=np.asarray(f.prefill_steps),
+    priority=priority,
   )

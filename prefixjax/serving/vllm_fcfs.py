@@ -1,8 +1,9 @@
-"""vLLM 0.33 v1 scheduler (FCFS), one jitted engine step at a time.
+"""vLLM 0.33 v1 scheduler (FCFS or PRIORITY), one jitted engine step at a time.
 
 The decisions are those of the plain-Python oracle
 ``tests/reference_models/vllm_scheduler.py`` (``VllmScheduler``, policy
-``"fcfs"``), made on device with the prefix cache
+``"fcfs"`` or ``"priority"``, a static choice: ``policy=`` of :func:`step`
+and :func:`run`), made on device with the prefix cache
 :mod:`prefixjax.cache.prefix_cache` (``vllm_version="0.33"``, policy
 ``lru``) as vLLM's ``KVCacheManager``:
 
@@ -42,6 +43,23 @@ The decisions are those of the plain-Python oracle
   released at once (:func:`prefixjax.cache.prefix_cache.release`), then
   leaves the running list keeping the others' order.
 
+Policy ``"priority"`` (``create_request_queue``'s heap) changes three rules:
+
+* The waiting queue is ordered by ``RequestTable.rank`` (the host's rank of
+  ``(priority, arrival_time, request_id)``, ``Request.__lt__``); ``waiting``
+  is then a membership buffer (``waiting[rid] = rid`` while queued, else
+  -1) and its head a masked argmin of ``rank``, O(R) per admission. A
+  preempted request is pushed back with its key.
+* The preemption victim is the first running request with the largest
+  ``RequestTable.prio_key`` (the dense rank of ``(priority,
+  arrival_time)``: ``max(running, key=...)``), possibly one scheduled
+  earlier this step (its tokens return to the budget and it leaves the
+  scheduled list) or the request itself. The victim leaves the running
+  list keeping the others' order; the loop index moves back if it was
+  before. Retries after a preemption keep the request's ``n``.
+* Preempting the request itself goes on with the next running request
+  (FCFS ends the loop).
+
 Failures inside jit are status values (:class:`SimStatus`): a step that
 schedules nothing while requests remain is ``STALLED`` (the oracle raises),
 a cache verb failing other than the modelled ``OUT_OF_BLOCKS`` is
@@ -66,6 +84,7 @@ from prefixjax.cache import Status
 from prefixjax.cache import prefix_cache as pc
 
 __all__ = [
+  "POLICIES",
   "EngineParams",
   "EngineState",
   "ReqStatus",
@@ -78,6 +97,9 @@ __all__ = [
   "run",
   "step",
 ]
+
+
+POLICIES = ("fcfs", "priority")
 
 
 class ReqStatus(enum.IntEnum):
@@ -118,6 +140,11 @@ class RequestTable:
     max_tokens: ``[R]`` int32 output tokens requested.
     arrival_step: ``[R]`` int32 step at which each request arrives.
     arrival_order: ``[R]`` int32 request ids by ``(arrival_step, rid)``.
+    rank: ``[R]`` int32 position of each request in the order ``(priority,
+      arrival_time, request_id)`` (a permutation of ``0 .. R-1``); read by
+      policy ``"priority"`` only (``None`` for FCFS).
+    prio_key: ``[R]`` int32 dense rank of ``(priority, arrival_time)``
+      (equal keys equal); read by policy ``"priority"`` only.
   """
 
   keys: jax.Array
@@ -125,6 +152,8 @@ class RequestTable:
   max_tokens: jax.Array
   arrival_step: jax.Array
   arrival_order: jax.Array
+  rank: jax.Array | None = None
+  prio_key: jax.Array | None = None
 
 
 @struct.dataclass
@@ -169,8 +198,11 @@ class EngineState:
     running: ``[S]`` int32 request ids in vLLM's running-list order, -1
       past ``num_running``.
     num_running: ``[]`` int32.
-    waiting: ``[R]`` int32 circular deque of request ids (FCFS).
-    waiting_head: ``[]`` int32 index of the deque's front in ``waiting``.
+    waiting: ``[R]`` int32 circular deque of request ids (FCFS); with
+      policy ``"priority"`` ``waiting[rid]`` is ``rid`` while it is queued,
+      else -1.
+    waiting_head: ``[]`` int32 index of the deque's front in ``waiting``
+      (FCFS only).
     num_waiting: ``[]`` int32.
     num_arrived: ``[]`` int32 entries of ``RequestTable.arrival_order``
       that have arrived (queued, or rejected).
@@ -267,7 +299,9 @@ def init_state(
 
   Args:
     cache: an empty prefix cache with ``S`` sequence slots.
-    waiting: ``[R]`` int32 request ids in arrival (FCFS) order, padded.
+    waiting: ``[R]`` int32 request ids in arrival (FCFS) order, padded;
+      for policy ``"priority"`` the membership buffer (``waiting[rid] =
+      rid`` if queued, else -1).
     num_waiting: int32 scalar, ids in ``waiting``.
     status: ``[R]`` int32 :class:`ReqStatus` (``WAITING`` or ``REJECTED``).
     prompt_len: ``[R]`` int32 prompt lengths.
@@ -326,11 +360,20 @@ def _cap(n, threshold):
   return jnp.where((threshold > 0) & (threshold < n), threshold, n)
 
 
-def _running_phase(st, reqs, params, threshold):
-  """The running loop of ``Scheduler.schedule`` (FCFS preemption)."""
+def _remove_at(x: jax.Array, k, length, mask) -> jax.Array:
+  """``del x[k]`` of the first ``length`` entries (where ``mask``), -1 pad."""
+  idx = jnp.arange(x.shape[0])
+  moved = gather(x, jnp.where(idx >= k, idx + 1, idx), NONE)
+  moved = jnp.where(idx < length - 1, moved, NONE)
+  return jnp.where(mask, moved, x)
+
+
+def _running_phase(st, reqs, params, threshold, policy):
+  """The running loop of ``Scheduler.schedule`` (the policy's preemption)."""
   s = st.running.shape[0]
   mml = params.max_model_len
   empty = jnp.full((s,), NONE, jnp.int32)
+  priority = policy == "priority"
   carry0 = dict(
     st=st,
     i=jnp.int32(0),
@@ -342,6 +385,8 @@ def _running_phase(st, reqs, params, threshold):
     preempted=empty,
     num_pre=jnp.int32(0),
   )
+  if priority:  # retrying running[i] after preempting another: same n
+    carry0.update(retry=jnp.bool_(False), retry_n=jnp.int32(0))
 
   def cond(c):
     return (~c["stop"]) & (c["i"] < c["st"].num_running) & (c["budget"] > 0)
@@ -353,6 +398,8 @@ def _running_phase(st, reqs, params, threshold):
     computed = _at(st.num_computed, rid)
     n = _cap(_at(st.num_tokens, rid) - computed, threshold)
     n = jnp.minimum(jnp.minimum(n, c["budget"]), mml - computed - 1)
+    if priority:
+      n = jnp.where(c["retry"], c["retry_n"], n)
     skip = n <= 0
     cache, r = pc.append(st.cache, jnp.where(skip, NONE, slot), n)
     ok = (~skip) & (r.status == Status.OK)
@@ -362,10 +409,15 @@ def _running_phase(st, reqs, params, threshold):
       cache, jnp.where(ok, slot, NONE), get_row(reqs.keys, rid), computed + n
     )
     bad = bad | (ok & (pub.status != Status.OK))
-    # On OUT_OF_BLOCKS: preempt running.pop() (the last one).
     preempt = fail & ~bad
-    last = st.num_running - 1
-    victim = _at(st.running, last)
+    lanes = jnp.arange(s) < st.num_running
+    if priority:
+      # max(running, key=(priority, arrival_time)): the first of equals.
+      vkeys = jnp.where(lanes, gather(reqs.prio_key, st.running, -1), -1)
+      vpos = jnp.argmax(vkeys).astype(jnp.int32)
+    else:  # running.pop() (the last one)
+      vpos = st.num_running - 1
+    victim = _at(st.running, vpos)
     vslot = _at(st.slot, victim)
     cache, rel = pc.release(cache, jnp.where(preempt, vslot, NONE))
     bad = bad | (preempt & (rel.status != Status.OK))
@@ -383,34 +435,76 @@ def _running_phase(st, reqs, params, threshold):
         preempt,
       ),
       sampled_last=_put(st.sampled_last, victim, False, preempt),
-      running=_put(st.running, last, NONE, preempt),
+      running=_remove_at(st.running, vpos, st.num_running, preempt),
       num_running=st.num_running - preempt.astype(jnp.int32),
     )
-    r_len = st.waiting.shape[0]
-    head = (st.waiting_head - 1 + r_len) % r_len
+    if priority:  # a heap: push back with its key
+      st = st.replace(waiting=_put(st.waiting, victim, victim, preempt))
+    else:  # prepend_request: the deque's front
+      r_len = st.waiting.shape[0]
+      head = (st.waiting_head - 1 + r_len) % r_len
+      st = st.replace(
+        waiting=_put(st.waiting, head, victim, preempt),
+        waiting_head=jnp.where(preempt, head, st.waiting_head),
+      )
     st = st.replace(
-      waiting=_put(st.waiting, head, victim, preempt),
-      waiting_head=jnp.where(preempt, head, st.waiting_head),
       num_waiting=st.num_waiting + preempt.astype(jnp.int32),
       error=jnp.where(bad, jnp.int32(SimStatus.CACHE_ERROR), st.error),
     )
-    return dict(
+    self_pre = preempt & (victim == rid)
+    sched_rid = _put(c["sched_rid"], c["num_sched"], rid, ok)
+    sched_n = _put(c["sched_n"], c["num_sched"], n, ok)
+    num_sched = c["num_sched"] + ok.astype(jnp.int32)
+    out = dict(
       st=st,
       i=c["i"] + (ok | skip).astype(jnp.int32),
       budget=c["budget"] - jnp.where(ok, n, 0),
-      stop=c["stop"] | bad | (preempt & (victim == rid)),
-      sched_rid=_put(c["sched_rid"], c["num_sched"], rid, ok),
-      sched_n=_put(c["sched_n"], c["num_sched"], n, ok),
-      num_sched=c["num_sched"] + ok.astype(jnp.int32),
+      stop=c["stop"] | bad | self_pre,
+      sched_rid=sched_rid,
+      sched_n=sched_n,
+      num_sched=num_sched,
       preempted=_put(c["preempted"], c["num_pre"], victim, preempt),
       num_pre=c["num_pre"] + preempt.astype(jnp.int32),
     )
+    if priority:
+      # A victim before running[i] was scheduled this step (or skipped):
+      # its tokens go back to the budget, the loop index moves back.
+      before = preempt & (vpos < c["i"])
+      spos = jnp.argmax(
+        (sched_rid == victim) & (jnp.arange(s) < num_sched)
+      ).astype(jnp.int32)
+      was_sched = before & (_at(sched_rid, spos) == victim)
+      out.update(
+        i=out["i"] - before.astype(jnp.int32),
+        budget=out["budget"] + jnp.where(was_sched, _at(sched_n, spos), 0),
+        stop=c["stop"] | bad,  # after itself: the next running request
+        sched_rid=_remove_at(sched_rid, spos, num_sched, was_sched),
+        sched_n=jnp.where(
+          jnp.arange(s) < num_sched - was_sched.astype(jnp.int32),
+          _remove_at(sched_n, spos, num_sched, was_sched),
+          0,
+        ),
+        num_sched=num_sched - was_sched.astype(jnp.int32),
+        retry=preempt & ~self_pre,
+        retry_n=n,
+      )
+    return out
 
   return jax.lax.while_loop(cond, body, carry0)
 
 
-def _waiting_phase(c, reqs, params, threshold):
-  """The waiting loop of ``Scheduler.schedule`` (FCFS deque head first)."""
+def _waiting_head(st, reqs, policy):
+  """``waiting.peek()``: ``(rid, position in st.waiting)``."""
+  if policy == "priority":  # the heap's top: the lowest rank queued
+    big = jnp.iinfo(jnp.int32).max
+    pos = jnp.argmin(jnp.where(st.waiting >= 0, reqs.rank, big))
+    pos = pos.astype(jnp.int32)
+    return pos, pos
+  return _at(st.waiting, st.waiting_head), st.waiting_head
+
+
+def _waiting_phase(c, reqs, params, threshold, policy):
+  """The waiting loop of ``Scheduler.schedule`` (the queue's head first)."""
   st0 = c["st"]
   s = st0.running.shape[0]
   k = st0.cache.block_size
@@ -437,7 +531,7 @@ def _waiting_phase(c, reqs, params, threshold):
   def body(c):
     st = c["st"]
     budget = c["budget"]
-    rid = _at(st.waiting, st.waiting_head)
+    rid, wpos = _waiting_head(st, reqs, policy)
     keys = get_row(reqs.keys, rid)
     total = _at(st.num_tokens, rid)
     hit = pc.match(st.cache, keys, total)
@@ -485,10 +579,10 @@ def _waiting_phase(c, reqs, params, threshold):
       ),
       running=_put(st.running, st.num_running, rid, ok),
       num_running=st.num_running + ok.astype(jnp.int32),
-      waiting=_put(st.waiting, st.waiting_head, NONE, ok),
-      waiting_head=jnp.where(
-        ok, (st.waiting_head + 1) % r_len, st.waiting_head
-      ),
+      waiting=_put(st.waiting, wpos, NONE, ok),
+      waiting_head=st.waiting_head
+      if policy == "priority"
+      else jnp.where(ok, (st.waiting_head + 1) % r_len, st.waiting_head),
       num_waiting=st.num_waiting - ok.astype(jnp.int32),
       error=jnp.where(bad, jnp.int32(SimStatus.CACHE_ERROR), st.error),
     )
@@ -549,8 +643,16 @@ def _update_from_output(st, c, reqs, params):
   return st, finished
 
 
+def _check_policy(policy: str) -> None:
+  if policy not in POLICIES:
+    raise ValueError(f"policy={policy!r}; expected one of {POLICIES}")
+
+
 def step(
-  state: EngineState, reqs: RequestTable, params: EngineParams
+  state: EngineState,
+  reqs: RequestTable,
+  params: EngineParams,
+  policy: str = "fcfs",
 ) -> tuple[EngineState, StepRecord]:
   """One sync ``EngineCore.step()``: ``schedule()``, outputs, bookkeeping.
 
@@ -559,8 +661,9 @@ def step(
 
   Args:
     state: the engine.
-    reqs: the trace.
+    reqs: the trace (``rank`` and ``prio_key`` set for ``"priority"``).
     params: the scheduler knobs.
+    policy: ``"fcfs"`` or ``"priority"``, a Python string (static).
 
   Returns:
     ``(new_state, StepRecord)``.
@@ -570,8 +673,9 @@ def step(
     0,
     _i32(params.long_prefill_token_threshold),
   )
-  c = _running_phase(state, reqs, params, threshold)
-  c = _waiting_phase(c, reqs, params, threshold)
+  _check_policy(policy)
+  c = _running_phase(state, reqs, params, threshold, policy)
+  c = _waiting_phase(c, reqs, params, threshold, policy)
   st = c["st"]
   s = st.running.shape[0]
   lanes = jnp.arange(s) < c["num_sched"]
@@ -623,7 +727,7 @@ def step(
   return st, record
 
 
-def _admit(st: EngineState, reqs: RequestTable) -> EngineState:
+def _admit(st: EngineState, reqs: RequestTable, policy: str) -> EngineState:
   """The harness's ``add_arrivals``: queue every request due by the clock.
 
   Requests arrive in ``arrival_order``; a rejected one (status
@@ -640,7 +744,10 @@ def _admit(st: EngineState, reqs: RequestTable) -> EngineState:
   def body(st):
     rid = _at(reqs.arrival_order, st.num_arrived)
     queue = _at(st.status, rid) != ReqStatus.REJECTED
-    tail = (st.waiting_head + st.num_waiting) % r_len
+    if policy == "priority":  # add_request: a heap push
+      tail = rid
+    else:
+      tail = (st.waiting_head + st.num_waiting) % r_len
     return st.replace(
       waiting=_put(st.waiting, tail, rid, queue),
       num_waiting=st.num_waiting + queue.astype(jnp.int32),
@@ -650,13 +757,14 @@ def _admit(st: EngineState, reqs: RequestTable) -> EngineState:
   return jax.lax.while_loop(due, body, st)
 
 
-@functools.partial(jax.jit, static_argnames="max_steps")
+@functools.partial(jax.jit, static_argnames=("max_steps", "policy"))
 def run(
   state: EngineState,
   reqs: RequestTable,
   params: EngineParams,
   *,
   max_steps: int,
+  policy: str = "fcfs",
 ) -> tuple[EngineState, StepTrace]:
   """Engine steps until no request is left, in one ``lax.while_loop``.
 
@@ -673,6 +781,12 @@ def run(
     reqs: the trace.
     params: the scheduler knobs.
     max_steps: ``T``, static: rows of the step buffers.
+    policy: ``"fcfs"`` (default) or ``"priority"``, static; ``"priority"``
+      needs ``reqs.rank`` and ``reqs.prio_key`` and a ``state`` whose
+      ``waiting`` is a membership buffer (all -1 from :func:`init_state`).
+
+  Raises:
+    ValueError: an unknown ``policy``, or ``"priority"`` without ranks.
 
   Returns:
     ``(final_state, StepTrace)``: rows ``0 .. final_state.num_steps - 1``
@@ -680,8 +794,13 @@ def run(
     requests were left after ``T`` executed steps, ``STALLED`` when a step
     scheduled nothing and no arrival was due.
   """
+  _check_policy(policy)
+  if policy == "priority" and (reqs.rank is None or reqs.prio_key is None):
+    raise ValueError("policy='priority' needs RequestTable.rank and prio_key")
   r_len = reqs.arrival_order.shape[0]
-  _, rec0 = jax.eval_shape(step, state, reqs, params)
+  _, rec0 = jax.eval_shape(
+    functools.partial(step, policy=policy), state, reqs, params
+  )
   trace0 = jax.tree.map(
     lambda x: jnp.zeros((max_steps, *x.shape), x.dtype), rec0
   )
@@ -711,7 +830,7 @@ def run(
 
   def work(carry):
     st, trace = carry
-    st, rec = step(st, reqs, params)
+    st, rec = step(st, reqs, params, policy)
     ran = rec.sched_rid[0] >= 0
     trace = jax.tree.map(
       lambda buf, x: buf.at[jnp.where(ran, st.num_steps, max_steps)].set(
@@ -735,7 +854,7 @@ def run(
 
   def body(carry):
     st, trace = carry
-    st = _admit(st, reqs)
+    st = _admit(st, reqs, policy)
     return jax.lax.cond(pending(st), work, idle, (st, trace))
 
   st, trace = jax.lax.while_loop(cond, body, (state, trace0))
