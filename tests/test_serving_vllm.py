@@ -217,25 +217,33 @@ def test_fabricated_token_is_the_harness_rule():
 
 
 # --------------------------------------------------------------- slow: fuzz
+def _random_config(rng, policy="fcfs"):
+  """A small random engine (block 1-8, 1-5 slots, chunked or not, tight
+  pools) for the fuzz tests."""
+  block_size = int(rng.choice([1, 2, 4, 8]))
+  max_model_len = 96
+  need = cdiv(max_model_len, block_size)
+  seqs = int(rng.integers(1, 6))
+  chunked = bool(rng.random() < 0.7)
+  return ServingConfig(
+    num_gpu_blocks=need + 1 + int(rng.integers(0, need)),
+    block_size=block_size,
+    max_num_seqs=seqs,
+    max_num_batched_tokens=int(rng.integers(max(seqs, 8), 80))
+    if chunked
+    else int(rng.integers(max_model_len, 200)),
+    max_model_len=max_model_len,
+    chunked_prefill=chunked,
+    long_prefill_token_threshold=int(rng.choice([0, 5, 17])),
+    policy=policy,
+  )
+
+
 @pytest.mark.slow
 def test_random_configs_match_model(rng):
   for _ in range(6):
-    block_size = int(rng.choice([1, 2, 4, 8]))
-    max_model_len = 96
-    need = cdiv(max_model_len, block_size)
-    seqs = int(rng.integers(1, 6))
-    chunked = bool(rng.random() < 0.7)
-    config = ServingConfig(
-      num_gpu_blocks=need + 1 + int(rng.integers(0, need)),
-      block_size=block_size,
-      max_num_seqs=seqs,
-      max_num_batched_tokens=int(rng.integers(max(seqs, 8), 80))
-      if chunked
-      else int(rng.integers(max_model_len, 200)),
-      max_model_len=max_model_len,
-      chunked_prefill=chunked,
-      long_prefill_token_threshold=int(rng.choice([0, 5, 17])),
-    )
+    config = _random_config(rng)
+    max_model_len = config.max_model_len
     records = _long_pair(rng, max_model_len) + _records(rng, 8, fabricate=True)
     _compare(records, config)
 
@@ -560,23 +568,8 @@ def test_bad_policy_is_refused():
 @pytest.mark.slow
 def test_priority_random_configs_match_model(rng):
   for _ in range(6):
-    block_size = int(rng.choice([1, 2, 4, 8]))
-    max_model_len = 96
-    need = cdiv(max_model_len, block_size)
-    seqs = int(rng.integers(1, 6))
-    chunked = bool(rng.random() < 0.7)
-    config = ServingConfig(
-      num_gpu_blocks=need + 1 + int(rng.integers(0, need)),
-      block_size=block_size,
-      max_num_seqs=seqs,
-      max_num_batched_tokens=int(rng.integers(max(seqs, 8), 80))
-      if chunked
-      else int(rng.integers(max_model_len, 200)),
-      max_model_len=max_model_len,
-      chunked_prefill=chunked,
-      long_prefill_token_threshold=int(rng.choice([0, 5, 17])),
-      policy="priority",
-    )
+    config = _random_config(rng, policy="priority")
+    max_model_len = config.max_model_len
     pair = _long_pair(rng, max_model_len)
     records = _with_priorities(rng, pair + _records(rng, 8, fabricate=True))
     step_time_ms = float(rng.choice([0.5, 2.0]))
