@@ -274,7 +274,10 @@ def _timed_records(rng, records, step_time_ms, *, idle_gaps=True):
       gap += rng.integers(50, 200) * step_time_ms * 1e6
     t += int(gap) if rng.random() < 0.8 else 0
   if idle_gaps:  # one arrival long after the others are done: idle
-    records[-1]["arrival_time_ns"] += int(5000 * step_time_ms * 1e6)
+    # The shortest prompt, so it is never rejected (a rejected late
+    # arrival executes no step after the gap).
+    late = min(records, key=lambda r: len(r["input_tok_ids"]))
+    late["arrival_time_ns"] += int(5000 * step_time_ms * 1e6)
   rng.shuffle(records)  # arrival order is not record order
   return records
 
