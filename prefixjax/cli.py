@@ -564,12 +564,13 @@ def _positive_float(text: str) -> float:
 def _add_simulate(subparsers) -> None:
   p = subparsers.add_parser(
     "simulate",
-    help="engine-step serving simulation (vLLM 0.33 FCFS scheduler)",
+    help="engine-step serving simulation (vLLM 0.33's scheduler loop)",
     description=(
       "Serves a trace (or a generated workload) through vLLM 0.33's v1 "
-      "FCFS scheduler on the on-device prefix cache, one jitted loop over "
-      "engine steps, and prints latency, hit-rate, block and throughput "
-      "metrics."
+      "scheduler loop (FCFS, priority, or the lpm / dfs / fair orders) on "
+      "the on-device prefix cache, one jitted loop over engine steps, with "
+      "a step-counting or a roofline clock, and prints latency, hit-rate, "
+      "block and throughput metrics."
     ),
   )
   src = p.add_mutually_exclusive_group()
@@ -616,13 +617,35 @@ def _add_simulate(subparsers) -> None:
     type=_positive_float,
     default=None,
     metavar="MS",
-    help="milliseconds per engine step (needed by trace / poisson)",
+    help="milliseconds per engine step of --clock steps (needed by "
+    "trace / poisson arrivals)",
+  )
+  p.add_argument(
+    "--clock",
+    default="steps",
+    choices=("steps", "roofline"),
+    help="steps (default): every step lasts --step-time-ms; roofline: each "
+    "step's time from its batch's FLOPs and bytes on --model / --hardware",
+  )
+  p.add_argument(
+    "--model",
+    default=None,
+    help="roofline model preset (default llama3_8b): "
+    "tiny, llama2_7b, llama3_8b, llama3_70b",
+  )
+  p.add_argument(
+    "--hardware",
+    default=None,
+    help="roofline hardware preset (default h100): "
+    "h100, h200, tpu_v5e, tpu_v5p, tpu_v6e",
   )
   p.add_argument(
     "--scheduler",
     default="fcfs",
-    help="fcfs (default) or priority: vLLM's scheduling policy (priority "
-    "reads the records' priority field; a trace without one gets 0)",
+    help="fcfs (default) or priority: vLLM's own policies (priority reads "
+    "the records' priority field; a trace without one gets 0); lpm, dfs "
+    "(SGLang's orders) or fair (VTC) inside vLLM's loop, or a name "
+    "registered with prefixjax.serving.schedulers.register_scheduler",
   )
   p.add_argument("--semantics", default="vllm")
   p.add_argument("--json", metavar="OUT", help="write the metrics as JSON")
@@ -654,7 +677,7 @@ def _simulate_config(args):
       max_num_batched_tokens=args.max_num_batched_tokens,
       max_model_len=args.max_model_len,
       chunked_prefill=args.chunked_prefill,
-      policy=args.scheduler,
+      scheduler=args.scheduler,
     )
   except ValueError as err:
     msg = str(err)
@@ -664,16 +687,39 @@ def _simulate_config(args):
 
 def _check_simulate_args(args):
   """Flag rules checked before any work; returns the ServingConfig."""
-  if args.scheduler not in ("fcfs", "priority"):
+  from prefixjax.serving.schedulers import scheduler_names
+
+  if args.scheduler not in scheduler_names():
     raise CliError(
-      f"--scheduler {args.scheduler}: unknown; use fcfs or priority"
+      f"--scheduler {args.scheduler}: unknown; use one of "
+      f"{', '.join(scheduler_names())}"
     )
   if args.semantics != "vllm":
     raise CliError(
       f"--semantics {args.semantics}: not implemented yet (only vllm)"
     )
-  if args.arrivals in ("trace", "poisson") and args.step_time_ms is None:
-    raise CliError(f"--arrivals {args.arrivals} needs --step-time-ms")
+  if args.clock == "steps":
+    if args.arrivals in ("trace", "poisson") and args.step_time_ms is None:
+      raise CliError(
+        f"--arrivals {args.arrivals} needs --step-time-ms (or --clock roofline)"
+      )
+    for flag in ("model", "hardware"):
+      if getattr(args, flag) is not None:
+        raise CliError(f"--{flag} is for --clock roofline")
+  else:
+    from prefixjax import configs
+
+    if args.step_time_ms is not None:
+      raise CliError("--step-time-ms is for --clock steps, not roofline")
+    for flag, known in (
+      ("model", configs.MODELS),
+      ("hardware", configs.HARDWARE),
+    ):
+      name = getattr(args, flag)
+      if name is not None and name not in known:
+        raise CliError(
+          f"--{flag} {name}: unknown; use one of {', '.join(sorted(known))}"
+        )
   if args.arrivals == "poisson" and args.rate is None:
     raise CliError("--arrivals poisson needs --rate")
   if args.rate is not None and args.arrivals != "poisson":
@@ -719,6 +765,11 @@ def _cmd_simulate(args) -> int:
     step_time_ms=args.step_time_ms,
     rate=args.rate,
     seed=args.seed,
+    **(
+      dict(clock="roofline", model=args.model, hardware=args.hardware)
+      if args.clock == "roofline"
+      else {}
+    ),
   )
   if not result.ok:
     raise CliError(f"simulation ended with status {result.status}")
@@ -746,6 +797,15 @@ def _cmd_simulate(args) -> int:
           finish_step=rec.get("finish_step"),
           preemptions=rec.get("num_preemptions", 0),
         )
+        for key in (
+          "arrival_s",
+          "first_token_s",
+          "finish_s",
+          "ttft_s",
+          "e2e_s",
+        ):
+          if key in rec:
+            line[key] = rec[key]
         f.write(json.dumps(line) + "\n")
   return 0
 

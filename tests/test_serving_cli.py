@@ -6,7 +6,7 @@ import dataclasses
 import json
 
 import pytest
-from reference_models.vllm_scheduler import VllmScheduler
+from reference_models.vllm_scheduler import VllmScheduler, model_kwargs
 
 import prefixjax as pj
 from prefixjax import serving
@@ -38,7 +38,7 @@ def test_json_and_jsonl_match_simulate_and_model(tmp_path, capsys):
   summary = json.loads(out.read_text())
   assert summary == json.loads(json.dumps(got.metrics()))
   assert {"steps", "hit_tokens", "preemptions"} <= set(summary)
-  model = VllmScheduler(**dataclasses.asdict(CONFIG))
+  model = VllmScheduler(**model_kwargs(CONFIG))
   _, reqs = model.simulate(serving.records_from_trace(trace), "time", 5.0)
   lines = [json.loads(x) for x in reqs_out.read_text().splitlines()]
   assert len(lines) == len(trace)
@@ -92,13 +92,13 @@ def test_priority_scheduler_matches_simulate_and_model(tmp_path, capsys):
   assert main(["simulate", *argv]) == 0
   capsys.readouterr()
   config = dataclasses.replace(
-    CONFIG, num_gpu_blocks=34, max_model_len=512, policy="priority"
+    CONFIG, num_gpu_blocks=34, max_model_len=512, scheduler="priority"
   )
   trace = pj.generate_workload("multi_turn", num_requests=8, seed=3)
   records = serving.records_from_trace(trace)  # no priorities: all 0
   got = serving.simulate(records, config, arrivals="trace", step_time_ms=5.0)
   assert json.loads(out.read_text()) == json.loads(json.dumps(got.metrics()))
-  model = VllmScheduler(**dataclasses.asdict(config))
+  model = VllmScheduler(**model_kwargs(config))
   steps, reqs = model.simulate(records, "time", 5.0)
   assert got.steps() == steps and got.requests() == reqs
   lines = [json.loads(x) for x in reqs_out.read_text().splitlines()]

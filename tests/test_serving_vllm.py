@@ -11,12 +11,14 @@ slots, columns, step rows) so they compile the engine a few times only.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 from reference_models.vllm_apc import cdiv
-from reference_models.vllm_scheduler import VllmScheduler, fabricated_token
+from reference_models.vllm_scheduler import (
+  VllmScheduler,
+  fabricated_token,
+  model_kwargs,
+)
 
 import prefixjax as pj
 from prefixjax import serving
@@ -65,7 +67,7 @@ def _compare(records, config, *, max_steps=MAX_STEPS, step_time_ms=None):
   With ``step_time_ms`` both run the trace's arrival times (the model's
   ``arrivals="time"``, the simulator's ``"trace"``).
   """
-  model = VllmScheduler(**dataclasses.asdict(config))
+  model = VllmScheduler(**model_kwargs(config))
   timed = {} if step_time_ms is None else dict(step_dt_ms=step_time_ms)
   steps, reqs = model.simulate(
     records, "time" if timed else "zero", check_invariants=True, **timed
@@ -197,7 +199,7 @@ def test_bad_config_names_the_field(change, field):
     _config(**change)
   # The oracle refuses the same configurations (max_model_len=0 aside,
   # which it catches only through num_gpu_blocks).
-  kw = {**dataclasses.asdict(_config()), **change}
+  kw = {**model_kwargs(_config()), **change}
   if field != "max_model_len":
     with pytest.raises(ValueError):
       VllmScheduler(**kw)
@@ -235,7 +237,7 @@ def _random_config(rng, policy="fcfs"):
     max_model_len=max_model_len,
     chunked_prefill=chunked,
     long_prefill_token_threshold=int(rng.choice([0, 5, 17])),
-    policy=policy,
+    scheduler=policy,
   )
 
 
@@ -264,8 +266,11 @@ class _InstrumentedModel(VllmScheduler):
     return out
 
 
-def _timed_records(rng, records, step_time_ms, *, idle_gaps=True):
-  """Random arrival times: bursts, and gaps long enough to go idle."""
+def _timed_records(
+  rng, records, step_time_ms, *, idle_gaps=True, late_from=None
+):
+  """Random arrival times: bursts, and gaps long enough to go idle; the
+  late arrival is one of ``late_from`` (default: any record)."""
   t = 0
   for rec in records:
     rec["arrival_time_ns"] = t
@@ -276,7 +281,7 @@ def _timed_records(rng, records, step_time_ms, *, idle_gaps=True):
   if idle_gaps:  # one arrival long after the others are done: idle
     # The shortest prompt, so it is never rejected (a rejected late
     # arrival executes no step after the gap).
-    late = min(records, key=lambda r: len(r["input_tok_ids"]))
+    late = min(late_from or records, key=lambda r: len(r["input_tok_ids"]))
     late["arrival_time_ns"] += int(5000 * step_time_ms * 1e6)
   rng.shuffle(records)  # arrival order is not record order
   return records
@@ -292,7 +297,8 @@ def test_trace_arrivals_match_model_step_by_step(rng, preempt):
   else:
     config = _config(long_prefill_token_threshold=int(rng.choice([0, 7])))
     records = _records(rng, fabricate=True)
-  records = _timed_records(rng, records, step_time_ms)
+  others = records[2:] if preempt else records
+  records = _timed_records(rng, records, step_time_ms, late_from=others)
   if preempt:  # the long pair together: one of them is preempted
     for rec in pair:
       rec["arrival_time_ns"] = 0
@@ -321,7 +327,7 @@ def test_poisson_arrivals_are_seeded_trace_arrivals(rng):
   times = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
   for rec, x in zip(records, times, strict=True):
     rec["arrival_time_ns"] = int(round(x * 1e9))
-  model = VllmScheduler(**dataclasses.asdict(config))
+  model = VllmScheduler(**model_kwargs(config))
   steps, reqs = model.simulate(records, "time", step_time_ms)
   assert got.steps() == steps
   assert got.requests() == reqs
@@ -383,7 +389,7 @@ def test_metrics_match_numpy_over_model_records(rng):
   )
   for rec in pair:  # together: one of them is preempted
     rec["arrival_time_ns"] = 0
-  model = _InstrumentedModel(**dataclasses.asdict(config))
+  model = _InstrumentedModel(**model_kwargs(config))
   steps, reqs = model.simulate(records, "time", step_time_ms)
   got = serving.simulate(
     records,
@@ -484,7 +490,7 @@ def test_priority_matches_model_without_memory_pressure(
     max_num_batched_tokens=budget,
     chunked_prefill=chunked,
     long_prefill_token_threshold=threshold,
-    policy="priority",
+    scheduler="priority",
   )
   records = _with_priorities(rng, _records(rng, fabricate=True))
   if rng.random() < 0.5:  # arrival_time is then rid * 1e-3
@@ -544,7 +550,7 @@ def test_priority_matches_model_with_preemption(rng, chunked):
     num_gpu_blocks=cdiv(128, 4) + 1 + 8,
     max_num_batched_tokens=40 if chunked else 160,
     chunked_prefill=chunked,
-    policy="priority",
+    scheduler="priority",
   )
   records = _priority_pressure(rng, step_time_ms)
   steps, _ = _compare(records, config, step_time_ms=step_time_ms)
@@ -560,12 +566,12 @@ def test_fcfs_reports_priorities_and_ignores_them(rng):
 
 
 def test_bad_policy_is_refused():
-  with pytest.raises(ValueError, match="ServingConfig.policy="):
-    _config(policy="lifo")
-  with pytest.raises(TypeError, match="ServingConfig.policy"):
-    _config(policy=None)
+  with pytest.raises(ValueError, match="ServingConfig.scheduler='lifo'"):
+    _config(scheduler="lifo")
+  with pytest.raises(TypeError, match="ServingConfig.scheduler"):
+    _config(scheduler=None)
   with pytest.raises(ValueError):
-    VllmScheduler(**{**dataclasses.asdict(_config()), "policy": "lifo"})
+    VllmScheduler(**{**model_kwargs(_config()), "policy": "lifo"})
 
 
 @pytest.mark.slow

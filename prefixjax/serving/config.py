@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from prefixjax.serving import schedulers as sch
+
 __all__ = ["POLICIES", "ServingConfig"]
 
 POLICIES = ("fcfs", "priority")
+"""vLLM's own scheduling policies (``SchedulerConfig.policy``)."""
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -41,10 +44,13 @@ class ServingConfig:
     chunked_prefill: whether a prompt may be split over several steps.
     long_prefill_token_threshold: cap on one request's tokens per step
       while more than one request is running or waiting; 0 is no cap.
-    policy: ``"fcfs"`` (default) or ``"priority"`` (vLLM's
-      ``SchedulerConfig.policy``): the waiting order and the preemption
-      victim; ``"priority"`` reads each record's ``priority`` (lower
-      first, default 0).
+    scheduler: a registered scheduler name
+      (:func:`prefixjax.serving.schedulers.scheduler_names`) or a
+      :class:`prefixjax.serving.schedulers.Scheduler`: ``"fcfs"``
+      (default) and ``"priority"`` are vLLM's ``SchedulerConfig.policy``
+      (``"priority"`` reads each record's ``priority``, lower first,
+      default 0); ``"lpm"``, ``"dfs"``, ``"fair"`` and user-defined ones
+      order the waiting queue inside vLLM's loop.
 
   Raises:
     TypeError: a field of the wrong type.
@@ -64,18 +70,23 @@ class ServingConfig:
   max_model_len: int
   chunked_prefill: bool = True
   long_prefill_token_threshold: int = 0
-  policy: str = "fcfs"
+  scheduler: str | sch.Scheduler = "fcfs"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
-      if f.name == "policy":
-        if not isinstance(self.policy, str):
+      if f.name == "scheduler":
+        if not isinstance(self.scheduler, (str, sch.Scheduler)):
           raise TypeError(
-            f"ServingConfig.policy must be a str, got {self.policy!r}"
+            "ServingConfig.scheduler must be a str or a Scheduler, got "
+            f"{self.scheduler!r}"
           )
-        if self.policy not in POLICIES:
+        if (
+          isinstance(self.scheduler, str)
+          and self.scheduler not in sch.scheduler_names()
+        ):
           raise ValueError(
-            f"ServingConfig.policy={self.policy!r} must be one of {POLICIES}"
+            f"ServingConfig.scheduler={self.scheduler!r} must be one of "
+            f"{sch.scheduler_names()}"
           )
       elif f.name == "chunked_prefill":
         if not isinstance(self.chunked_prefill, bool):
@@ -124,6 +135,15 @@ class ServingConfig:
         f"{self.block_size} but only {self.num_gpu_blocks - 1} are usable "
         "(the null block is extra; vLLM's check_enough_kv_cache_memory)"
       )
+
+  @property
+  def scheduler_object(self) -> sch.Scheduler:
+    """The :class:`prefixjax.serving.schedulers.Scheduler` it names."""
+    return sch.get_scheduler(self.scheduler)
+
+  @property
+  def scheduler_name(self) -> str:
+    return self.scheduler_object.name
 
   @property
   def usable_blocks(self) -> int:

@@ -2,7 +2,7 @@
 
 :func:`simulate` prepares a trace (token ids of every request's prompt and
 outputs, its block keys, the arrival and priority orders), runs
-:func:`prefixjax.serving.vllm_fcfs.run` (one jitted ``lax.while_loop`` over
+:func:`prefixjax.serving.vllm_v1.run` (one jitted ``lax.while_loop`` over
 engine steps) and returns a :class:`SimResult`, whose :meth:`SimResult.steps`
 and :meth:`SimResult.requests` have the keys and values of
 ``tests/reference_models/vllm_scheduler.py`` ``VllmScheduler.simulate``
@@ -20,14 +20,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from prefixjax import configs
 from prefixjax.cache import hashing
 from prefixjax.cache import prefix_cache as pc
-from prefixjax.serving import vllm_fcfs as engine
+from prefixjax.serving import roofline
+from prefixjax.serving import vllm_v1 as engine
 from prefixjax.serving.config import ServingConfig
 from prefixjax.workloads import Trace
 
 __all__ = [
   "ARRIVALS",
+  "CLOCKS",
   "NUM_FABRICATED_VOCAB",
   "SimResult",
   "arrival_steps",
@@ -38,6 +41,9 @@ __all__ = [
 
 NUM_FABRICATED_VOCAB = 32000
 ARRIVALS = ("zero", "trace", "poisson")
+CLOCKS = ("steps", "roofline")
+DEFAULT_MODEL = "llama3_8b"
+DEFAULT_HARDWARE = "h100"
 Arrivals = Literal["zero", "trace", "poisson"]
 
 
@@ -50,7 +56,8 @@ def records_from_trace(trace: Trace) -> list[dict[str, Any]]:
   """A :class:`prefixjax.workloads.Trace` as the harness's trace records.
 
   Each record has ``input_tok_ids``, ``output_toks``, ``arrival_time_ns``
-  (``round(arrival_times_s * 1e9)``) and, with output ids, ``output_tok_ids``.
+  (``round(arrival_times_s * 1e9)``), with output ids ``output_tok_ids`` and
+  with session ids ``client`` (the ``fair`` scheduler's client).
 
   Raises:
     ValueError: the trace has no token ids.
@@ -66,6 +73,8 @@ def records_from_trace(trace: Trace) -> list[dict[str, Any]]:
     )
     if trace.output_token_ids is not None:
       rec["output_tok_ids"] = [int(t) for t in trace.output_token_ids[i]]
+    if trace.session_ids is not None:
+      rec["client"] = int(trace.session_ids[i])
     out.append(rec)
   return out
 
@@ -96,12 +105,12 @@ class SimResult:
 
   Attributes:
     config: the engine configuration.
-    status: :class:`prefixjax.serving.vllm_fcfs.SimStatus` name (``"OK"``).
+    status: :class:`prefixjax.serving.vllm_v1.SimStatus` name (``"OK"``).
     num_steps: engine steps executed (each scheduled tokens).
     idle_steps: clock steps skipped while nothing was running or waiting.
     step_time_ms: milliseconds per engine step, or ``None`` (then the
       metrics in seconds are ``None``).
-    trace: a :class:`prefixjax.serving.vllm_fcfs.StepRecord` of ``[T, ...]``
+    trace: a :class:`prefixjax.serving.vllm_v1.StepRecord` of ``[T, ...]``
       numpy arrays (rows past ``num_steps`` are padding).
     prompt_len: ``[R]`` prompt lengths.
     max_tokens: ``[R]`` output tokens requested.
@@ -113,6 +122,12 @@ class SimResult:
     prefill_steps: ``[R]`` int per request (-1 where a step never came).
     priority: ``[R]`` int each record's ``priority`` (0 without one), or
       ``None`` (all 0).
+    clock: ``"steps"``, or the timed clock (e.g. a
+      :class:`prefixjax.serving.roofline.RooflineClock`).
+    arrival_s: ``[R]`` float64 arrival times of a timed clock, else
+      ``None``. With a timed clock, step numbers count executed steps
+      (row ``s`` of ``trace`` is step ``s``), and ``arrival_step`` is the
+      first step that started at or after the arrival.
   """
 
   config: ServingConfig
@@ -136,10 +151,32 @@ class SimResult:
   sched_steps: np.ndarray
   prefill_steps: np.ndarray
   priority: np.ndarray | None = None
+  clock: Any = "steps"
+  arrival_s: np.ndarray | None = None
 
   @property
   def ok(self) -> bool:
     return self.status == "OK"
+
+  @property
+  def timed(self) -> bool:
+    """Whether a timed clock (roofline, user function) set the times."""
+    return self.arrival_s is not None
+
+  def step_times_s(self) -> tuple[np.ndarray, np.ndarray]:
+    """``(start, end)`` float64 seconds of every executed step.
+
+    A timed clock's own times; with ``"steps"``, ``s * step_time_ms`` and
+    ``(s + 1) * step_time_ms`` (``NaN`` without ``step_time_ms``).
+    """
+    t = self.trace
+    n = self.num_steps
+    if self.timed:
+      start = (t.time_ms[:n].astype(np.float64) + t.time_frac[:n]) / 1e3
+      return start, start + t.dt_s[:n].astype(np.float64)
+    dt = np.nan if self.step_time_ms is None else self.step_time_ms / 1e3
+    s = t.step[:n].astype(np.float64)
+    return s * dt, (s + 1) * dt
 
   def scheduled(self) -> list[list[list[int]]]:
     """Per step, ``[[rid, num_tokens], ...]`` in scheduler order."""
@@ -157,31 +194,34 @@ class SimResult:
     """The oracle's ``steps`` records (``steps.jsonl`` keys)."""
     t = self.trace
     usable = self.config.usable_blocks
+    start, _ = self.step_times_s()
     out = []
     for i, sched in enumerate(self.scheduled()):
       lanes = t.sched_rid[i] >= 0
       kind = t.sched_kind[i]
       free = int(t.free_blocks[i])
-      out.append(
-        dict(
-          step=int(t.step[i]),
-          sched=sched,
-          tokens=int(t.sched_n[i].sum()),
-          prefill_tokens=int(t.prefill_tokens[i]),
-          decode_tokens=int(t.decode_tokens[i]),
-          new=sorted(int(r) for r in t.sched_rid[i][lanes & (kind == 1)]),
-          resumed=sorted(int(r) for r in t.sched_rid[i][lanes & (kind == 2)]),
-          preempted=sorted(int(r) for r in t.preempted[i] if r >= 0),
-          finished=sorted(int(r) for r in t.finished[i] if r >= 0),
-          running=int(t.num_running[i]),
-          waiting=int(t.num_waiting[i]),
-          free_blocks=free,
-          usage=round(1 - free / usable, 5),
-          free_blocks_end=int(t.free_blocks_end[i]),
-          pc_hits=int(t.pc_hits[i]),
-          pc_queries=int(t.pc_queries[i]),
-        )
+      rec = dict(
+        step=int(t.step[i]),
+        sched=sched,
+        tokens=int(t.sched_n[i].sum()),
+        prefill_tokens=int(t.prefill_tokens[i]),
+        decode_tokens=int(t.decode_tokens[i]),
+        new=sorted(int(r) for r in t.sched_rid[i][lanes & (kind == 1)]),
+        resumed=sorted(int(r) for r in t.sched_rid[i][lanes & (kind == 2)]),
+        preempted=sorted(int(r) for r in t.preempted[i] if r >= 0),
+        finished=sorted(int(r) for r in t.finished[i] if r >= 0),
+        running=int(t.num_running[i]),
+        waiting=int(t.num_waiting[i]),
+        free_blocks=free,
+        usage=round(1 - free / usable, 5),
+        free_blocks_end=int(t.free_blocks_end[i]),
+        pc_hits=int(t.pc_hits[i]),
+        pc_queries=int(t.pc_queries[i]),
       )
+      if self.timed:
+        rec["time_s"] = float(start[i])
+        rec["dt_s"] = float(t.dt_s[i])
+      out.append(rec)
     return out
 
   def requests(self) -> list[dict[str, Any]]:
@@ -223,14 +263,40 @@ class SimResult:
         sched_steps=int(self.sched_steps[rid]),
         prefill_steps=int(self.prefill_steps[rid]),
       )
+      if self.timed:
+        rec.update(self._request_times(rid))
       out.append(rec)
     return out
+
+  def _request_times(self, rid: int) -> dict[str, float | None]:
+    """A timed clock's seconds of one request (``None`` where none)."""
+    start, end = self.step_times_s()
+
+    def at(times, step):
+      return None if step < 0 else float(times[step])
+
+    arrival = float(self.arrival_s[rid])
+    first = at(end, self.first_token_step[rid])
+    done = at(end, self.finish_step[rid])
+    return dict(
+      arrival_s=arrival,
+      first_sched_s=at(start, self.first_sched_step[rid]),
+      first_token_s=first,
+      finish_s=done,
+      ttft_s=None if first is None else first - arrival,
+      e2e_s=None if done is None else done - arrival,
+    )
 
   def metrics(self) -> dict[str, Any]:
     """Summary of the run; plain Python numbers (``None`` where undefined).
 
-    Keys (steps are engine steps; ``*_s`` keys are ``steps * step_time_ms
-    / 1000`` and ``None`` without ``step_time_ms``):
+    Keys (steps are engine steps; with ``clock="steps"`` the ``*_s`` keys
+    are ``steps * step_time_ms / 1000`` and ``None`` without
+    ``step_time_ms``; with a timed clock they are the clock's seconds:
+    TTFT = end of the first token's step - arrival, TPOT = (end of the
+    finishing step - end of the first token's step) / (outputs - 1), E2E =
+    end of the finishing step - arrival, queueing = start of the first
+    scheduled step - arrival, makespan = end of the last step):
 
     * ``steps``: steps executed; ``idle_steps``: steps the clock skipped
       while the engine was empty; ``makespan_steps``: last executed step +
@@ -310,19 +376,61 @@ class SimResult:
       internal_fragmentation_tokens=float(frag.mean()) if n else None,
       internal_fragmentation=float(ratio.mean()) if n else None,
     )
+    timed = self._timed_series(done, multi) if self.timed else None
     for name, x in series.items():
       for q in (50, 90, 99):
         v = float(np.percentile(x, q)) if len(x) else None
         m[f"{name}_steps_p{q}"] = v
-        m[f"{name}_s_p{q}"] = sec(v)
+        if timed is None:
+          m[f"{name}_s_p{q}"] = sec(v)
+        else:
+          y = timed[name]
+          m[f"{name}_s_p{q}"] = float(np.percentile(y, q)) if len(y) else None
     m["output_tokens"] = out_tokens
     m["throughput_tokens_per_step"] = (
       out_tokens / makespan if makespan else None
     )
-    m["throughput_tokens_per_s"] = (
-      None if scale is None or not makespan else out_tokens / (makespan * scale)
-    )
+    if self.timed:
+      _, end = self.step_times_s()
+      span = float(end[-1]) if n else 0.0
+      m["makespan_s"] = span
+      m["throughput_tokens_per_s"] = out_tokens / span if span > 0 else None
+    else:
+      m["throughput_tokens_per_s"] = (
+        None
+        if scale is None or not makespan
+        else out_tokens / (makespan * scale)
+      )
     return m
+
+  def _timed_series(self, done, multi) -> dict[str, np.ndarray]:
+    start, end = self.step_times_s()
+    arr = self.arrival_s[done]
+    first = end[self.first_token_step[done]]
+    fin = end[self.finish_step[done]]
+    nout = self.num_output_tokens[done].astype(np.int64)
+    return dict(
+      ttft=first - arr,
+      tpot=(fin[multi] - first[multi]) / (nout[multi] - 1),
+      e2e=fin - arr,
+      queue=start[self.first_sched_step[done]] - arr,
+    )
+
+
+def _clients(records: list[Mapping[str, Any]]) -> np.ndarray:
+  """``[R]`` int32 dense client ids from each record's ``client`` (else 0).
+
+  Raises:
+    ValueError: a ``client`` that is not an int.
+  """
+  raw = []
+  for rid, rec in enumerate(records):
+    c = rec.get("client", 0)
+    if isinstance(c, bool) or not isinstance(c, (int, np.integer)):
+      raise ValueError(f"record {rid}: client={c!r} must be an int")
+    raw.append(int(c))
+  _, dense = np.unique(np.asarray(raw, np.int64), return_inverse=True)
+  return dense.astype(np.int32)
 
 
 def _poisson_ns(r: int, rate: float, seed: int) -> list[int]:
@@ -366,6 +474,73 @@ def _priority_order(
   distinct = {k: j for j, k in enumerate(sorted(set(keys)))}
   prio_key = np.asarray([distinct[k] for k in keys], np.int32)
   return np.asarray(priority, np.int64), rank, prio_key
+
+
+def arrival_times_s(
+  records: list[Mapping[str, Any]],
+  arrivals: str,
+  rate: float | None = None,
+  seed: int = 0,
+) -> np.ndarray:
+  """``[R]`` float64 arrival time in seconds of each record (a timed clock).
+
+  ``"zero"``: all 0; ``"trace"``: ``arrival_time_ns / 1e9``; ``"poisson"``:
+  the draws of :func:`arrival_steps`.
+
+  Raises:
+    ValueError: an unknown ``arrivals``, a bad ``rate``, a record without
+      ``arrival_time_ns``, or a negative time.
+  """
+  r = len(records)
+  if arrivals not in ARRIVALS:
+    raise ValueError(f"arrivals={arrivals!r}; expected one of {ARRIVALS}")
+  if arrivals == "zero":
+    return np.zeros((r,), np.float64)
+  if arrivals == "poisson":
+    if rate is None or not rate > 0:
+      raise ValueError(f"arrivals='poisson' needs rate > 0, got {rate!r}")
+    ns = _poisson_ns(r, rate, seed)
+  else:
+    ns = []
+    for rid, rec in enumerate(records):
+      if rec.get("arrival_time_ns") is None:
+        raise ValueError(f"record {rid}: no arrival_time_ns")
+      ns.append(int(rec["arrival_time_ns"]))
+  out = np.asarray(ns, np.float64) / 1e9
+  if out.min() < 0 or out.max() * 1e3 >= 2**31 - 1:
+    raise ValueError(
+      f"arrival times span [{out.min()}, {out.max()}] s: negative, or past "
+      "the timed clock's 2**31 ms"
+    )
+  return out
+
+
+def _clock(clock, model, hardware):
+  """``None`` for ``"steps"``, else a clock object (see :func:`simulate`)."""
+  if isinstance(clock, str):
+    if clock not in CLOCKS:
+      raise ValueError(
+        f"clock={clock!r}; expected one of {CLOCKS} or an object"
+      )
+    if clock == "steps":
+      if model is not None or hardware is not None:
+        raise ValueError("model= and hardware= need clock='roofline'")
+      return None
+    m = model if model is not None else DEFAULT_MODEL
+    h = hardware if hardware is not None else DEFAULT_HARDWARE
+    m = configs.model_config(m) if isinstance(m, str) else m
+    h = configs.hardware_config(h) if isinstance(h, str) else h
+    return roofline.RooflineClock(m, h)
+  if model is not None or hardware is not None:
+    raise ValueError("model= and hardware= go with clock='roofline' only")
+  if hasattr(clock, "step_time_s"):
+    return clock
+  if callable(clock):
+    return roofline.FunctionClock(clock)
+  raise TypeError(
+    f"clock must be 'steps', 'roofline', a clock object or a function, got "
+    f"{clock!r}"
+  )
 
 
 def arrival_steps(
@@ -455,20 +630,25 @@ def simulate(
   rate: float | None = None,
   seed: int = 0,
   max_steps: int | None = None,
+  clock: Any = "steps",
+  model: str | configs.ModelConfig | None = None,
+  hardware: str | configs.HardwareConfig | None = None,
 ) -> SimResult:
   """Serves a trace with vLLM 0.33's v1 scheduler, step by step.
 
-  ``config.policy`` picks FCFS (the default) or PRIORITY: then the waiting
-  queue is ordered by each record's ``priority`` (lower first, default 0;
-  a :class:`prefixjax.workloads.Trace` has none), then arrival time, then
-  rid, and the preemption victim is the running request with the largest
-  ``(priority, arrival_time)``.
+  ``config.scheduler`` picks FCFS (the default), PRIORITY (the waiting
+  queue is ordered by each record's ``priority``, lower first, default 0;
+  a :class:`prefixjax.workloads.Trace` has none; then arrival time, then
+  rid; the preemption victim is the running request with the largest
+  ``(priority, arrival_time)``), or another order of the waiting queue
+  (:mod:`prefixjax.serving.schedulers`: ``lpm``, ``dfs``, ``fair``, whose
+  clients are the records' ``client`` field, a Trace's ``session_ids``).
 
   rid is the record's index. Requests arrive at the step of
   :func:`arrival_steps` and can be scheduled in that step; when nothing is
   running or waiting the clock jumps to the next arrival (idle steps), as
   ``sched_harness.py`` does. The whole run is one jitted loop
-  (:func:`prefixjax.serving.vllm_fcfs.run`).
+  (:func:`prefixjax.serving.vllm_v1.run`).
 
   Args:
     trace: a :class:`prefixjax.workloads.Trace` with token ids, or the
@@ -487,6 +667,18 @@ def simulate(
     max_steps: rows of the step buffers ``T``; by default a power of two
       above twice the trace's tokens, doubled and rerun while the run
       reports ``OUT_OF_STEPS``.
+    clock: ``"steps"`` (default: every step lasts ``step_time_ms``, a
+      request arriving at ``t`` is queued at step ``floor(t /
+      step_time_ms)``), ``"roofline"`` (each step's time from
+      :func:`prefixjax.serving.roofline.step_time_s` over its batch, with
+      ``model`` and ``hardware``, default ``"llama3_8b"`` on ``"h100"``),
+      a clock object with ``step_time_s(new_tokens, context_tokens)`` or a
+      function ``(new_tokens [S], context_tokens [S]) -> seconds``
+      (traceable). A timed clock queues a request when the time at the
+      start of a step has reached its arrival, jumps an empty engine to
+      the next arrival, and needs no ``step_time_ms``.
+    model, hardware: names (:data:`prefixjax.configs.MODELS`,
+      :data:`prefixjax.configs.HARDWARE`) or configs, for ``"roofline"``.
 
   Returns:
     A :class:`SimResult`; ``status`` is not ``"OK"`` when the run stalled
@@ -506,16 +698,35 @@ def simulate(
     raise ValueError("simulate needs at least one request")
   if step_time_ms is not None and not step_time_ms > 0:
     raise ValueError(f"step_time_ms={step_time_ms!r} must be > 0")
-  arrival = arrival_steps(records, arrivals, step_time_ms, rate, seed)
+  timer = _clock(clock, model, hardware)
+  if timer is None:
+    arrival = arrival_steps(records, arrivals, step_time_ms, rate, seed)
+    arrival_s = None
+    sort_by = arrival
+  else:
+    if step_time_ms is not None:
+      raise ValueError("step_time_ms is for clock='steps' only")
+    arrival = np.zeros((len(records),), np.int32)
+    secs = arrival_times_s(records, arrivals, rate, seed)
+    arrival_ms = np.floor(secs * 1e3)
+    arrival_frac = (secs * 1e3 - arrival_ms).astype(np.float32)
+    arrival_ms = arrival_ms.astype(np.int32)
+    # The times the device compares, to the bit (in ms).
+    arrival_msf = arrival_ms + arrival_frac.astype(np.float64)
+    arrival_s = arrival_msf / 1e3
+    sort_by = arrival_s
   priority, rank, prio_key = _priority_order(records, arrivals, rate, seed)
-  by_priority = config.policy == "priority"
+  scheduler = config.scheduler_object
+  client = _clients(records)
   keys, prompt_len, max_tokens, rejected, lens = _prepare(records, config)
   r = len(records)
-  order = np.lexsort((np.arange(r), arrival)).astype(np.int32)
+  order = np.lexsort((np.arange(r), sort_by)).astype(np.int32)
   waiting = np.full((r,), -1, np.int32)
   status = np.where(
     rejected, engine.ReqStatus.REJECTED, engine.ReqStatus.WAITING
   ).astype(np.int32)
+  if not scheduler.deque:
+    waiting = np.full((r,), -1, np.int32)
   cache = pc.init(
     config.num_gpu_blocks,
     config.block_size,
@@ -529,6 +740,7 @@ def simulate(
     0,
     jnp.asarray(status),
     jnp.asarray(prompt_len),
+    scheduler=scheduler,
   )
   reqs = engine.RequestTable(
     keys=keys,
@@ -536,9 +748,14 @@ def simulate(
     max_tokens=jnp.asarray(max_tokens),
     arrival_step=jnp.asarray(arrival),
     arrival_order=jnp.asarray(order),
-    rank=jnp.asarray(rank) if by_priority else None,
-    prio_key=jnp.asarray(prio_key) if by_priority else None,
+    rank=jnp.asarray(rank),
+    prio_key=jnp.asarray(prio_key),
+    client=jnp.asarray(client),
   )
+  if timer is not None:
+    reqs = reqs.replace(
+      arrival_ms=jnp.asarray(arrival_ms), arrival_frac=jnp.asarray(arrival_frac)
+    )
   params = engine.EngineParams(
     max_num_batched_tokens=jnp.int32(config.max_num_batched_tokens),
     max_model_len=jnp.int32(config.max_model_len),
@@ -549,20 +766,25 @@ def simulate(
   steps = max_steps or _next_pow2(2 * int(lens.sum()) + 16)
   while True:
     final, trace_out = engine.run(
-      state, reqs, params, max_steps=steps, policy=config.policy
+      state, reqs, params, max_steps=steps, scheduler=scheduler, clock=timer
     )
     err = engine.SimStatus(int(final.error))
     if not (retry and err == engine.SimStatus.OUT_OF_STEPS):
       break
     steps *= 2
   f = jax.device_get(final)
+  trace_np = engine.StepRecord(*(np.asarray(x) for x in trace_out))
+  if timer is not None:  # the first step that started at or after arrival
+    n = int(f.num_steps)
+    start = trace_np.time_ms[:n].astype(np.float64) + trace_np.time_frac[:n]
+    arrival = np.searchsorted(start, arrival_msf, side="left").astype(np.int32)
   return SimResult(
     config=config,
     status=err.name,
     num_steps=int(f.num_steps),
     idle_steps=int(f.idle_steps),
     step_time_ms=None if step_time_ms is None else float(step_time_ms),
-    trace=engine.StepRecord(*(np.asarray(x) for x in trace_out)),
+    trace=trace_np,
     prompt_len=prompt_len,
     max_tokens=max_tokens,
     arrival_step=arrival,
@@ -578,4 +800,6 @@ def simulate(
     sched_steps=np.asarray(f.sched_steps),
     prefill_steps=np.asarray(f.prefill_steps),
     priority=priority,
+    clock="steps" if timer is None else timer,
+    arrival_s=arrival_s,
   )

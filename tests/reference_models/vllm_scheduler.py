@@ -115,6 +115,7 @@ changes nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -220,12 +221,26 @@ class _StepOutput:
   pc_queries: int = 0
 
 
+def model_kwargs(config) -> dict[str, Any]:
+  """A :class:`prefixjax.serving.ServingConfig`'s fields as
+  :class:`VllmScheduler` arguments (``scheduler`` is its ``policy``)."""
+  kw = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+  kw["policy"] = config.scheduler_name
+  del kw["scheduler"]
+  return kw
+
+
 class VllmScheduler:
   """vLLM 0.33.0 ``Scheduler`` (sync) + ``KVCacheManager``, in Python.
 
   ``num_gpu_blocks`` counts vLLM's blocks *including* the null block 0 (the
   harness's ``--num-gpu-blocks``). Call :meth:`simulate` with the trace.
+  Subclasses (``schedulers.py``) change the waiting queue through
+  :meth:`_make_queue` and the hooks :meth:`_begin_waiting` and
+  :meth:`_admitted` (no-ops here).
   """
+
+  POLICIES: tuple[str, ...] = ("fcfs", "priority")
 
   def __init__(
     self,
@@ -238,8 +253,8 @@ class VllmScheduler:
     policy: Policy = "fcfs",
     long_prefill_token_threshold: int = 0,
   ):
-    if policy not in ("fcfs", "priority"):
-      raise ValueError(f"unknown {policy=}; expected 'fcfs' or 'priority'")
+    if policy not in self.POLICIES:
+      raise ValueError(f"unknown {policy=}; expected one of {self.POLICIES}")
     if min(num_gpu_blocks, block_size, max_num_seqs) < 1:
       raise ValueError(
         f"{num_gpu_blocks=}, {block_size=} and {max_num_seqs=} must be >= 1"
@@ -279,9 +294,18 @@ class VllmScheduler:
       self.num_gpu_blocks, self.block_size, free_order="prepend_unhashed"
     )
     self.running: list[_Request] = []
-    self.waiting = _WaitingQueue(self.policy)
+    self.waiting = self._make_queue()
     self._finished_since_schedule = False  # Scheduler.finished_req_ids
     self._preempted_since_schedule: list[_Request] = []
+
+  def _make_queue(self):
+    return _WaitingQueue(self.policy)
+
+  def _begin_waiting(self) -> None:
+    """Called when the waiting loop starts (not after a preemption)."""
+
+  def _admitted(self, req: _Request, num_tokens: int) -> None:
+    """Called when ``req`` left the waiting queue with ``num_tokens``."""
 
   # ------------------------------------------------------------- requests
   def _add_request(self, req: _Request) -> None:
@@ -359,6 +383,7 @@ class VllmScheduler:
 
     # Then the WAITING requests, unless this step preempted.
     if not out.preempted:
+      self._begin_waiting()
       while budget > 0 and self.waiting:
         if len(self.running) >= self.max_num_seqs:
           break
@@ -379,6 +404,7 @@ class VllmScheduler:
           out.pc_queries += req.num_tokens
           out.pc_hits += hit
         assert self.waiting.pop() is req
+        self._admitted(req, n)
         self.running.append(req)
         (out.new if req.status == WAITING else out.resumed).append(req)
         scheduled[req] = n

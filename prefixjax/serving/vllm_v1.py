@@ -2,8 +2,9 @@
 
 The decisions are those of the plain-Python oracle
 ``tests/reference_models/vllm_scheduler.py`` (``VllmScheduler``, policy
-``"fcfs"`` or ``"priority"``, a static choice: ``policy=`` of :func:`step`
-and :func:`run`), made on device with the prefix cache
+``"fcfs"`` or ``"priority"``, the schedulers of the same names in
+:mod:`prefixjax.serving.schedulers`, a static choice: ``scheduler=`` of
+:func:`step` and :func:`run`), made on device with the prefix cache
 :mod:`prefixjax.cache.prefix_cache` (``vllm_version="0.33"``, policy
 ``lru``) as vLLM's ``KVCacheManager``:
 
@@ -42,6 +43,14 @@ and :func:`run`), made on device with the prefix cache
   finishes at ``max_model_len`` tokens or ``max_tokens`` outputs and is
   released at once (:func:`prefixjax.cache.prefix_cache.release`), then
   leaves the running list keeping the others' order.
+
+Any other scheduler (``lpm``, ``dfs``, ``fair``, user-defined) keeps this
+loop and changes only which waiting request is tried next (its ``order``
+or ``pick``) and, through ``victim``, which running request is preempted;
+the waiting queue is then keyed like PRIORITY's (below) with each request's
+FCFS position in ``queue_pos``. These are not vLLM's (vLLM has FCFS and
+PRIORITY only): the plain-Python model they are checked against is
+``tests/reference_models/schedulers.py``.
 
 Policy ``"priority"`` (``create_request_queue``'s heap) changes three rules:
 
@@ -82,6 +91,7 @@ from flax import struct
 from prefixjax._masked import NONE, gather, get_row, scatter
 from prefixjax.cache import Status
 from prefixjax.cache import prefix_cache as pc
+from prefixjax.serving import schedulers as sch
 
 __all__ = [
   "POLICIES",
@@ -100,6 +110,7 @@ __all__ = [
 
 
 POLICIES = ("fcfs", "priority")
+"""The schedulers that are vLLM's own (step-exact with its scheduler)."""
 
 
 class ReqStatus(enum.IntEnum):
@@ -145,6 +156,12 @@ class RequestTable:
       policy ``"priority"`` only (``None`` for FCFS).
     prio_key: ``[R]`` int32 dense rank of ``(priority, arrival_time)``
       (equal keys equal); read by policy ``"priority"`` only.
+    client: ``[R]`` int32 dense client id of each request (``fair``), or
+      ``None`` (one client).
+    arrival_ms, arrival_frac: ``[R]`` int32 whole milliseconds and
+      ``[R]`` float32 fraction of a millisecond of each arrival time; read
+      by a timed clock (``clock=`` of :func:`run`), which queues a request
+      once the engine's time reaches it (``arrival_step`` is then unused).
   """
 
   keys: jax.Array
@@ -154,6 +171,9 @@ class RequestTable:
   arrival_order: jax.Array
   rank: jax.Array | None = None
   prio_key: jax.Array | None = None
+  client: jax.Array | None = None
+  arrival_ms: jax.Array | None = None
+  arrival_frac: jax.Array | None = None
 
 
 @struct.dataclass
@@ -198,18 +218,27 @@ class EngineState:
     running: ``[S]`` int32 request ids in vLLM's running-list order, -1
       past ``num_running``.
     num_running: ``[]`` int32.
-    waiting: ``[R]`` int32 circular deque of request ids (FCFS); with
-      policy ``"priority"`` ``waiting[rid]`` is ``rid`` while it is queued,
-      else -1.
+    waiting: ``[R]`` int32 circular deque of request ids (a ``deque``
+      scheduler: FCFS); otherwise ``waiting[rid]`` is ``rid`` while it is
+      queued, else -1.
     waiting_head: ``[]`` int32 index of the deque's front in ``waiting``
-      (FCFS only).
+      (``deque`` only).
     num_waiting: ``[]`` int32.
+    queue_pos: ``[R]`` int32 FCFS position of each queued request (see
+      :class:`prefixjax.serving.schedulers.WaitingView`).
+    queue_back: ``[]`` int32 the next arrival's position (counts up).
+    queue_front: ``[]`` int32 the next preempted request's position
+      (counts down from -1).
+    sched_state: the scheduler's state (``Scheduler.init``).
     num_arrived: ``[]`` int32 entries of ``RequestTable.arrival_order``
       that have arrived (queued, or rejected).
     step: ``[]`` int32 the clock: the number of the next engine step.
     num_steps: ``[]`` int32 engine steps executed (each scheduled tokens).
     idle_steps: ``[]`` int32 clock steps skipped while the engine was empty.
     error: ``[]`` int32 :class:`SimStatus`.
+    time_ms, time_frac: ``[]`` int32 and float32, the engine's time in
+      milliseconds (whole and fraction; a timed clock only, else 0): a
+      float32 of seconds would lose a millisecond's precision within hours.
   """
 
   cache: pc.PrefixCacheState
@@ -233,11 +262,17 @@ class EngineState:
   waiting: jax.Array
   waiting_head: jax.Array
   num_waiting: jax.Array
+  queue_pos: jax.Array
+  queue_back: jax.Array
+  queue_front: jax.Array
+  sched_state: object
   num_arrived: jax.Array
   step: jax.Array
   num_steps: jax.Array
   idle_steps: jax.Array
   error: jax.Array
+  time_ms: jax.Array
+  time_frac: jax.Array
 
 
 class StepRecord(NamedTuple):
@@ -260,6 +295,10 @@ class StepRecord(NamedTuple):
     pc_queries: ``[]`` int32 ``PrefixCacheStats`` queries of this step.
     frag_tokens: ``[]`` int32 reserved but unused token slots after
       scheduling: ``(-num_computed) mod K`` summed over running requests.
+    time_ms, time_frac: ``[]`` the engine's time when the step started
+      (a timed clock; 0 otherwise).
+    dt_s: ``[]`` float32 the step's duration in seconds (a timed clock; 0
+      otherwise).
   """
 
   step: jax.Array
@@ -277,6 +316,9 @@ class StepRecord(NamedTuple):
   pc_hits: jax.Array
   pc_queries: jax.Array
   frag_tokens: jax.Array
+  time_ms: jax.Array
+  time_frac: jax.Array
+  dt_s: jax.Array
 
 
 StepTrace = StepRecord
@@ -294,6 +336,7 @@ def init_state(
   status: jax.Array,
   prompt_len: jax.Array,
   num_arrived=0,
+  scheduler: sch.Scheduler | str = "fcfs",
 ) -> EngineState:
   """An engine with the given requests waiting, in deque order.
 
@@ -308,6 +351,10 @@ def init_state(
     num_arrived: int32 scalar, leading entries of
       ``RequestTable.arrival_order`` already in ``waiting`` (or rejected);
       :func:`run` queues the others as the clock reaches their step.
+      Requests queued here get FCFS positions in ``waiting``'s order (deque)
+      or by id (otherwise), and no ``on_arrival`` call.
+    scheduler: the :class:`prefixjax.serving.schedulers.Scheduler` (or its
+      registered name) whose ``init`` builds ``sched_state``.
 
   Returns:
     An :class:`EngineState`.
@@ -318,6 +365,12 @@ def init_state(
   minus = jnp.full((r,), NONE, jnp.int32)
   false = jnp.zeros((r,), jnp.bool_)
   zero = jnp.int32(0)
+  scheduler = sch.get_scheduler(scheduler)
+  waiting = _i32(waiting)
+  if scheduler.deque:
+    pos = scatter(zeros, waiting, jnp.arange(r, dtype=jnp.int32), waiting >= 0)
+  else:
+    pos = jnp.arange(r, dtype=jnp.int32)
   return EngineState(
     cache=cache,
     status=_i32(status),
@@ -337,14 +390,20 @@ def init_state(
     prefill_steps=zeros,
     running=jnp.full((s,), NONE, jnp.int32),
     num_running=zero,
-    waiting=_i32(waiting),
+    waiting=waiting,
     waiting_head=zero,
     num_waiting=_i32(num_waiting),
+    queue_pos=pos,
+    queue_back=jnp.int32(r),
+    queue_front=jnp.int32(-1),
+    sched_state=scheduler.init(r),
     num_arrived=_i32(num_arrived),
     step=zero,
     num_steps=zero,
     idle_steps=zero,
     error=zero,
+    time_ms=zero,
+    time_frac=jnp.float32(0),
   )
 
 
@@ -368,12 +427,36 @@ def _remove_at(x: jax.Array, k, length, mask) -> jax.Array:
   return jnp.where(mask, moved, x)
 
 
-def _running_phase(st, reqs, params, threshold, policy):
+def view(st: EngineState, reqs: RequestTable) -> sch.WaitingView:
+  """What a scheduler reads of the engine (a :class:`WaitingView`)."""
+  r = st.status.shape[0]
+  zeros = jnp.zeros((r,), jnp.int32)
+  # A deque holds ids by slot, a keyed queue by id: either way this marks
+  # the queued ids.
+  queued = scatter(
+    jnp.zeros((r,), jnp.bool_), st.waiting, True, st.waiting >= 0
+  )
+  return sch.WaitingView(
+    queued=queued,
+    queue_pos=st.queue_pos,
+    num_waiting=st.num_waiting,
+    running=st.status == ReqStatus.RUNNING,
+    num_tokens=st.num_tokens,
+    prompt_len=reqs.prompt_len,
+    keys=reqs.keys,
+    cache=st.cache,
+    client=zeros if reqs.client is None else reqs.client,
+    rank=zeros if reqs.rank is None else reqs.rank,
+    step=st.step,
+  )
+
+
+def _running_phase(st, reqs, params, threshold, scheduler):
   """The running loop of ``Scheduler.schedule`` (the policy's preemption)."""
   s = st.running.shape[0]
   mml = params.max_model_len
   empty = jnp.full((s,), NONE, jnp.int32)
-  priority = policy == "priority"
+  priority = scheduler.victim == "priority"
   carry0 = dict(
     st=st,
     i=jnp.int32(0),
@@ -438,15 +521,19 @@ def _running_phase(st, reqs, params, threshold, policy):
       running=_remove_at(st.running, vpos, st.num_running, preempt),
       num_running=st.num_running - preempt.astype(jnp.int32),
     )
-    if priority:  # a heap: push back with its key
-      st = st.replace(waiting=_put(st.waiting, victim, victim, preempt))
-    else:  # prepend_request: the deque's front
+    if scheduler.deque:  # prepend_request: the deque's front
       r_len = st.waiting.shape[0]
       head = (st.waiting_head - 1 + r_len) % r_len
       st = st.replace(
         waiting=_put(st.waiting, head, victim, preempt),
         waiting_head=jnp.where(preempt, head, st.waiting_head),
       )
+    else:  # a keyed queue: back in, at the FCFS front
+      st = st.replace(waiting=_put(st.waiting, victim, victim, preempt))
+    st = st.replace(
+      queue_pos=_put(st.queue_pos, victim, st.queue_front, preempt),
+      queue_front=st.queue_front - preempt.astype(jnp.int32),
+    )
     st = st.replace(
       num_waiting=st.num_waiting + preempt.astype(jnp.int32),
       error=jnp.where(bad, jnp.int32(SimStatus.CACHE_ERROR), st.error),
@@ -493,19 +580,26 @@ def _running_phase(st, reqs, params, threshold, policy):
   return jax.lax.while_loop(cond, body, carry0)
 
 
-def _waiting_head(st, reqs, policy):
+def _waiting_head(st, reqs, scheduler, key):
   """``waiting.peek()``: ``(rid, position in st.waiting)``."""
-  if policy == "priority":  # the heap's top: the lowest rank queued
-    big = jnp.iinfo(jnp.int32).max
-    pos = jnp.argmin(jnp.where(st.waiting >= 0, reqs.rank, big))
-    pos = pos.astype(jnp.int32)
-    return pos, pos
-  return _at(st.waiting, st.waiting_head), st.waiting_head
+  if scheduler.deque:
+    return _at(st.waiting, st.waiting_head), st.waiting_head
+  v = view(st, reqs)
+  if scheduler.pick is not None:
+    rid = scheduler.pick(st.sched_state, key, v)
+  else:
+    rid = sch.lexicographic_pick(key, v)
+  rid = _i32(rid)
+  return rid, rid
 
 
-def _waiting_phase(c, reqs, params, threshold, policy):
+def _waiting_phase(c, reqs, params, threshold, scheduler):
   """The waiting loop of ``Scheduler.schedule`` (the queue's head first)."""
   st0 = c["st"]
+  if scheduler.order is not None:
+    key = _i32(scheduler.order(st0.sched_state, view(st0, reqs)))
+  else:
+    key = jnp.zeros_like(st0.queue_pos)
   s = st0.running.shape[0]
   k = st0.cache.block_size
   m = st0.cache.max_blocks_per_seq
@@ -531,7 +625,7 @@ def _waiting_phase(c, reqs, params, threshold, policy):
   def body(c):
     st = c["st"]
     budget = c["budget"]
-    rid, wpos = _waiting_head(st, reqs, policy)
+    rid, wpos = _waiting_head(st, reqs, scheduler, key)
     keys = get_row(reqs.keys, rid)
     total = _at(st.num_tokens, rid)
     hit = pc.match(st.cache, keys, total)
@@ -564,8 +658,10 @@ def _waiting_phase(c, reqs, params, threshold, policy):
     bad = bad | (ok & (pub.status != Status.OK))
     first = _at(st.first_sched_step, rid) < 0
     fresh = _at(st.num_preemptions, rid) == 0
+    sched_state = scheduler.on_admit(st.sched_state, view(st, reqs), rid, n, ok)
     st = st.replace(
       cache=cache,
+      sched_state=sched_state,
       status=_put(st.status, rid, ReqStatus.RUNNING, ok),
       num_computed=_put(st.num_computed, rid, h + n, ok),
       slot=_put(st.slot, rid, slot, ok),
@@ -580,9 +676,9 @@ def _waiting_phase(c, reqs, params, threshold, policy):
       running=_put(st.running, st.num_running, rid, ok),
       num_running=st.num_running + ok.astype(jnp.int32),
       waiting=_put(st.waiting, wpos, NONE, ok),
-      waiting_head=st.waiting_head
-      if policy == "priority"
-      else jnp.where(ok, (st.waiting_head + 1) % r_len, st.waiting_head),
+      waiting_head=jnp.where(ok, (st.waiting_head + 1) % r_len, st.waiting_head)
+      if scheduler.deque
+      else st.waiting_head,
       num_waiting=st.num_waiting - ok.astype(jnp.int32),
       error=jnp.where(bad, jnp.int32(SimStatus.CACHE_ERROR), st.error),
     )
@@ -643,16 +739,12 @@ def _update_from_output(st, c, reqs, params):
   return st, finished
 
 
-def _check_policy(policy: str) -> None:
-  if policy not in POLICIES:
-    raise ValueError(f"policy={policy!r}; expected one of {POLICIES}")
-
-
 def step(
   state: EngineState,
   reqs: RequestTable,
   params: EngineParams,
-  policy: str = "fcfs",
+  scheduler: sch.Scheduler | str = "fcfs",
+  clock=None,
 ) -> tuple[EngineState, StepRecord]:
   """One sync ``EngineCore.step()``: ``schedule()``, outputs, bookkeeping.
 
@@ -663,7 +755,13 @@ def step(
     state: the engine.
     reqs: the trace (``rank`` and ``prio_key`` set for ``"priority"``).
     params: the scheduler knobs.
-    policy: ``"fcfs"`` or ``"priority"``, a Python string (static).
+    scheduler: a :class:`prefixjax.serving.schedulers.Scheduler` or its
+      registered name (static).
+    clock: ``None`` (counted steps) or an object whose
+      ``step_time_s(new_tokens [S], context_tokens [S])`` gives the step's
+      seconds (:class:`prefixjax.serving.roofline.RooflineClock`), static;
+      context is each scheduled request's computed tokens before the step
+      (hits included).
 
   Returns:
     ``(new_state, StepRecord)``.
@@ -673,9 +771,9 @@ def step(
     0,
     _i32(params.long_prefill_token_threshold),
   )
-  _check_policy(policy)
-  c = _running_phase(state, reqs, params, threshold, policy)
-  c = _waiting_phase(c, reqs, params, threshold, policy)
+  scheduler = sch.get_scheduler(scheduler)
+  c = _running_phase(state, reqs, params, threshold, scheduler)
+  c = _waiting_phase(c, reqs, params, threshold, scheduler)
   st = c["st"]
   s = st.running.shape[0]
   lanes = jnp.arange(s) < c["num_sched"]
@@ -683,6 +781,12 @@ def step(
   # _update_after_schedule: num_computed already advanced.
   chunk = gather(st.num_computed, rids) < gather(st.num_tokens, rids)
   st = st.replace(prefill_chunk=scatter(st.prefill_chunk, rids, chunk, lanes))
+  new = jnp.where(lanes, c["sched_n"], 0)
+  if clock is None:
+    dt_s = jnp.float32(0)
+  else:
+    context = jnp.where(lanes, gather(st.num_computed, rids, 0) - new, 0)
+    dt_s = jnp.asarray(clock.step_time_s(new, context), jnp.float32)
   free_blocks = st.cache.paging.num_free
   k = st.cache.block_size
   run_lanes = jnp.arange(s) < st.num_running
@@ -697,7 +801,11 @@ def step(
   n = c["sched_n"]
   sampled = lanes & ~chunk
   first_tok = sampled & (gather(st.first_token_step, rids) < 0)
+  sched_state = scheduler.on_step(
+    st.sched_state, view(st, reqs), rids, n, kinds, decode, sampled, lanes
+  )
   st = st.replace(
+    sched_state=sched_state,
     sched_steps=scatter(
       st.sched_steps, rids, gather(st.sched_steps, rids) + 1, lanes
     ),
@@ -723,11 +831,32 @@ def step(
     pc_hits=c["pc_hits"],
     pc_queries=c["pc_queries"],
     frag_tokens=frag.astype(jnp.int32),
+    time_ms=st.time_ms,
+    time_frac=st.time_frac,
+    dt_s=dt_s,
   )
   return st, record
 
 
-def _admit(st: EngineState, reqs: RequestTable, policy: str) -> EngineState:
+def _reached(ms, frac, st: EngineState) -> jax.Array:
+  """Time ``(ms, frac)`` is at or before the engine's time."""
+  return (ms < st.time_ms) | ((ms == st.time_ms) & (frac <= st.time_frac))
+
+
+def _add_ms(st: EngineState, dt_ms) -> EngineState:
+  frac = st.time_frac + dt_ms
+  carry = jnp.floor(frac)
+  return st.replace(
+    time_ms=st.time_ms + carry.astype(jnp.int32), time_frac=frac - carry
+  )
+
+
+def _admit(
+  st: EngineState,
+  reqs: RequestTable,
+  scheduler: sch.Scheduler,
+  timed: bool = False,
+) -> EngineState:
   """The harness's ``add_arrivals``: queue every request due by the clock.
 
   Requests arrive in ``arrival_order``; a rejected one (status
@@ -737,6 +866,10 @@ def _admit(st: EngineState, reqs: RequestTable, policy: str) -> EngineState:
 
   def due(st):
     rid = gather(reqs.arrival_order, st.num_arrived[None], NONE)[0]
+    if timed:
+      ms = gather(reqs.arrival_ms, rid[None], 0)[0]
+      frac = gather(reqs.arrival_frac, rid[None], 0)[0]
+      return (st.num_arrived < r_len) & _reached(ms, frac, st)
     return (st.num_arrived < r_len) & (
       gather(reqs.arrival_step, rid[None], 0)[0] <= st.step
     )
@@ -744,27 +877,34 @@ def _admit(st: EngineState, reqs: RequestTable, policy: str) -> EngineState:
   def body(st):
     rid = _at(reqs.arrival_order, st.num_arrived)
     queue = _at(st.status, rid) != ReqStatus.REJECTED
-    if policy == "priority":  # add_request: a heap push
-      tail = rid
-    else:
+    if scheduler.deque:
       tail = (st.waiting_head + st.num_waiting) % r_len
-    return st.replace(
+    else:  # add_request: a heap push (keyed by rid)
+      tail = rid
+    st = st.replace(
       waiting=_put(st.waiting, tail, rid, queue),
       num_waiting=st.num_waiting + queue.astype(jnp.int32),
       num_arrived=st.num_arrived + 1,
+      queue_pos=_put(st.queue_pos, rid, st.queue_back, queue),
+      queue_back=st.queue_back + queue.astype(jnp.int32),
+    )
+    return st.replace(
+      sched_state=scheduler.on_arrival(
+        st.sched_state, view(st, reqs), rid, queue
+      )
     )
 
   return jax.lax.while_loop(due, body, st)
 
 
-@functools.partial(jax.jit, static_argnames=("max_steps", "policy"))
 def run(
   state: EngineState,
   reqs: RequestTable,
   params: EngineParams,
   *,
   max_steps: int,
-  policy: str = "fcfs",
+  scheduler: sch.Scheduler | str = "fcfs",
+  clock=None,
 ) -> tuple[EngineState, StepTrace]:
   """Engine steps until no request is left, in one ``lax.while_loop``.
 
@@ -781,12 +921,21 @@ def run(
     reqs: the trace.
     params: the scheduler knobs.
     max_steps: ``T``, static: rows of the step buffers.
-    policy: ``"fcfs"`` (default) or ``"priority"``, static; ``"priority"``
-      needs ``reqs.rank`` and ``reqs.prio_key`` and a ``state`` whose
-      ``waiting`` is a membership buffer (all -1 from :func:`init_state`).
+    scheduler: a :class:`prefixjax.serving.schedulers.Scheduler` or its
+      registered name, static (default ``"fcfs"``); one that is not a
+      ``deque`` needs a ``state`` built by :func:`init_state` with it
+      (``waiting`` a membership buffer); ``victim="priority"`` needs
+      ``reqs.rank`` and ``reqs.prio_key``.
+    clock: ``None`` (default: the clock counts steps, requests arrive at
+      ``arrival_step``) or a timed clock (see :func:`step`), static: then
+      the engine's time advances by each step's ``step_time_s``, a request
+      is queued when the time at the start of a step has reached its
+      ``arrival_ms + arrival_frac``, and an empty (or stuck) engine jumps
+      to the next arrival's time; ``step`` then counts executed steps only
+      and ``idle_steps`` stays 0.
 
   Raises:
-    ValueError: an unknown ``policy``, or ``"priority"`` without ranks.
+    ValueError: an unknown scheduler, or ``"priority"`` without ranks.
 
   Returns:
     ``(final_state, StepTrace)``: rows ``0 .. final_state.num_steps - 1``
@@ -794,12 +943,33 @@ def run(
     requests were left after ``T`` executed steps, ``STALLED`` when a step
     scheduled nothing and no arrival was due.
   """
-  _check_policy(policy)
-  if policy == "priority" and (reqs.rank is None or reqs.prio_key is None):
-    raise ValueError("policy='priority' needs RequestTable.rank and prio_key")
+  scheduler = sch.get_scheduler(scheduler)
+  if scheduler.victim == "priority" and (
+    reqs.rank is None or reqs.prio_key is None
+  ):
+    raise ValueError(
+      f"scheduler {scheduler.name!r} needs RequestTable.rank and prio_key"
+    )
+  if clock is not None and (
+    reqs.arrival_ms is None or reqs.arrival_frac is None
+  ):
+    raise ValueError(
+      "a timed clock needs RequestTable.arrival_ms and arrival_frac"
+    )
+  return _run(
+    state, reqs, params, max_steps=max_steps, scheduler=scheduler, clock=clock
+  )
+
+
+@functools.partial(jax.jit, static_argnames=("max_steps", "scheduler", "clock"))
+def _run(state, reqs, params, *, max_steps, scheduler, clock):
   r_len = reqs.arrival_order.shape[0]
+  timed = clock is not None
   _, rec0 = jax.eval_shape(
-    functools.partial(step, policy=policy), state, reqs, params
+    functools.partial(step, scheduler=scheduler, clock=clock),
+    state,
+    reqs,
+    params,
   )
   trace0 = jax.tree.map(
     lambda x: jnp.zeros((max_steps, *x.shape), x.dtype), rec0
@@ -819,18 +989,30 @@ def run(
       & (pending(st) | more(st))
     )
 
-  def idle(carry):
-    st, trace = carry
+  def to_next_arrival(st):
+    """The time (or step) of the next arrival, if one is left."""
     rid = gather(reqs.arrival_order, st.num_arrived[None], NONE)[0]
+    if timed:
+      ms = gather(reqs.arrival_ms, rid[None], 0)[0]
+      frac = gather(reqs.arrival_frac, rid[None], 0)[0]
+      later = more(st) & ~_reached(ms, frac, st)
+      return st.replace(
+        time_ms=jnp.where(later, ms, st.time_ms),
+        time_frac=jnp.where(later, frac, st.time_frac),
+      )
     nxt = jnp.where(
       more(st), gather(reqs.arrival_step, rid[None], 0)[0], st.step
     )
     nxt = jnp.maximum(nxt, st.step)
-    return st.replace(step=nxt, idle_steps=st.idle_steps + nxt - st.step), trace
+    return st.replace(step=nxt, idle_steps=st.idle_steps + nxt - st.step)
+
+  def idle(carry):
+    st, trace = carry
+    return to_next_arrival(st), trace
 
   def work(carry):
     st, trace = carry
-    st, rec = step(st, reqs, params, policy)
+    st, rec = step(st, reqs, params, scheduler, clock)
     ran = rec.sched_rid[0] >= 0
     trace = jax.tree.map(
       lambda buf, x: buf.at[jnp.where(ran, st.num_steps, max_steps)].set(
@@ -841,6 +1023,10 @@ def run(
     )
     stalled = (~ran) & pending(st) & ~more(st)
     wait = (~ran) & pending(st) & more(st)  # time passes until an arrival
+    if timed:
+      st = _add_ms(st, jnp.where(ran, rec.dt_s * 1e3, 0))
+      st = jax.lax.cond(wait, to_next_arrival, lambda s: s, st)
+      wait = jnp.bool_(False)
     st = st.replace(
       step=st.step + (ran | wait).astype(jnp.int32),
       num_steps=st.num_steps + ran.astype(jnp.int32),
@@ -854,7 +1040,7 @@ def run(
 
   def body(carry):
     st, trace = carry
-    st = _admit(st, reqs, policy)
+    st = _admit(st, reqs, scheduler, timed)
     return jax.lax.cond(pending(st), work, idle, (st, trace))
 
   st, trace = jax.lax.while_loop(cond, body, (state, trace0))
