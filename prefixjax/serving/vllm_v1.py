@@ -80,18 +80,38 @@ Dimensions: ``R`` requests, ``S`` = ``max_num_seqs`` (running slots),
 
 from __future__ import annotations
 
-import enum
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
 from prefixjax._masked import NONE, gather, get_row, scatter
 from prefixjax.cache import Status
 from prefixjax.cache import prefix_cache as pc
 from prefixjax.serving import schedulers as sch
+from prefixjax.serving.engine_ops import (
+  append_tokens,
+  at,
+  cap,
+  i32,
+  publish_if,
+  put,
+  release_if,
+  remove_at,
+)
+from prefixjax.serving.engine_state import (
+  POLICIES,
+  EngineParams,
+  EngineState,
+  ReqStatus,
+  RequestTable,
+  SchedKind,
+  SimStatus,
+  StepRecord,
+  StepTrace,
+  init_state,
+  view,
+)
 
 __all__ = [
   "POLICIES",
@@ -109,350 +129,9 @@ __all__ = [
 ]
 
 
-POLICIES = ("fcfs", "priority")
-"""The schedulers that are vLLM's own (step-exact with its scheduler)."""
-
-
-class ReqStatus(enum.IntEnum):
-  """Request states (vLLM's ``RequestStatus``; FINISHED stands for all)."""
-
-  WAITING = 0
-  RUNNING = 1
-  PREEMPTED = 2
-  FINISHED = 3
-  REJECTED = 4
-
-
-class SchedKind(enum.IntEnum):
-  """How a scheduled request entered this step's list."""
-
-  RUNNING = 0
-  NEW = 1
-  RESUMED = 2
-
-
-class SimStatus(enum.IntEnum):
-  """Status of a simulation (``EngineState.error``)."""
-
-  OK = 0
-  STALLED = 1
-  CACHE_ERROR = 2
-  OUT_OF_STEPS = 3
-
-
-@struct.dataclass
-class RequestTable:
-  """The trace on device; read only.
-
-  Attributes:
-    keys: ``[R, M, 2]`` uint32 content keys of each request's full blocks
-      (prompt + outputs, cut at ``max_model_len``).
-    prompt_len: ``[R]`` int32.
-    max_tokens: ``[R]`` int32 output tokens requested.
-    arrival_step: ``[R]`` int32 step at which each request arrives.
-    arrival_order: ``[R]`` int32 request ids by ``(arrival_step, rid)``.
-    rank: ``[R]`` int32 position of each request in the order ``(priority,
-      arrival_time, request_id)`` (a permutation of ``0 .. R-1``); read by
-      policy ``"priority"`` only (``None`` for FCFS).
-    prio_key: ``[R]`` int32 dense rank of ``(priority, arrival_time)``
-      (equal keys equal); read by policy ``"priority"`` only.
-    client: ``[R]`` int32 dense client id of each request (``fair``), or
-      ``None`` (one client).
-    arrival_ms, arrival_frac: ``[R]`` int32 whole milliseconds and
-      ``[R]`` float32 fraction of a millisecond of each arrival time; read
-      by a timed clock (``clock=`` of :func:`run`), which queues a request
-      once the engine's time reaches it (``arrival_step`` is then unused).
-  """
-
-  keys: jax.Array
-  prompt_len: jax.Array
-  max_tokens: jax.Array
-  arrival_step: jax.Array
-  arrival_order: jax.Array
-  rank: jax.Array | None = None
-  prio_key: jax.Array | None = None
-  client: jax.Array | None = None
-  arrival_ms: jax.Array | None = None
-  arrival_frac: jax.Array | None = None
-
-
-@struct.dataclass
-class EngineParams:
-  """Scheduler knobs that do not change shapes (``[]`` int32 / bool).
-
-  Attributes:
-    max_num_batched_tokens: the token budget of a step.
-    max_model_len: the longest sequence.
-    chunked_prefill: ``[]`` bool.
-    long_prefill_token_threshold: 0 is no cap.
-  """
-
-  max_num_batched_tokens: jax.Array
-  max_model_len: jax.Array
-  chunked_prefill: jax.Array
-  long_prefill_token_threshold: jax.Array
-
-
-@struct.dataclass
-class EngineState:
-  """Scheduler + KV cache; every array has a fixed size.
-
-  Attributes:
-    cache: the :class:`prefixjax.cache.prefix_cache.PrefixCacheState`
-      (``S`` sequence slots, ``M`` columns).
-    status: ``[R]`` int32 :class:`ReqStatus`.
-    num_computed: ``[R]`` int32 ``num_computed_tokens``.
-    num_tokens: ``[R]`` int32 prompt + sampled tokens.
-    num_output: ``[R]`` int32 sampled tokens.
-    slot: ``[R]`` int32 cache sequence slot while running, else -1.
-    prefill_chunk: ``[R]`` bool ``is_prefill_chunk`` of the last schedule.
-    sampled_last: ``[R]`` bool sampled a token in its last scheduled step.
-    first_sched_step: ``[R]`` int32, -1 before.
-    hit_first_sched: ``[R]`` int32 hit tokens at the first schedule.
-    first_token_step: ``[R]`` int32, -1 before.
-    finish_step: ``[R]`` int32, -1 before.
-    num_preemptions: ``[R]`` int32.
-    resume_hit_tokens: ``[R]`` int32 hit tokens summed over resumptions.
-    sched_steps: ``[R]`` int32 steps the request was scheduled in.
-    prefill_steps: ``[R]`` int32 of those, steps counted as prefill.
-    running: ``[S]`` int32 request ids in vLLM's running-list order, -1
-      past ``num_running``.
-    num_running: ``[]`` int32.
-    waiting: ``[R]`` int32 circular deque of request ids (a ``deque``
-      scheduler: FCFS); otherwise ``waiting[rid]`` is ``rid`` while it is
-      queued, else -1.
-    waiting_head: ``[]`` int32 index of the deque's front in ``waiting``
-      (``deque`` only).
-    num_waiting: ``[]`` int32.
-    queue_pos: ``[R]`` int32 FCFS position of each queued request (see
-      :class:`prefixjax.serving.schedulers.WaitingView`).
-    queue_back: ``[]`` int32 the next arrival's position (counts up).
-    queue_front: ``[]`` int32 the next preempted request's position
-      (counts down from -1).
-    sched_state: the scheduler's state (``Scheduler.init``).
-    num_arrived: ``[]`` int32 entries of ``RequestTable.arrival_order``
-      that have arrived (queued, or rejected).
-    step: ``[]`` int32 the clock: the number of the next engine step.
-    num_steps: ``[]`` int32 engine steps executed (each scheduled tokens).
-    idle_steps: ``[]`` int32 clock steps skipped while the engine was empty.
-    error: ``[]`` int32 :class:`SimStatus`.
-    time_ms, time_frac: ``[]`` int32 and float32, the engine's time in
-      milliseconds (whole and fraction; a timed clock only, else 0): a
-      float32 of seconds would lose a millisecond's precision within hours.
-  """
-
-  cache: pc.PrefixCacheState
-  status: jax.Array
-  num_computed: jax.Array
-  num_tokens: jax.Array
-  num_output: jax.Array
-  slot: jax.Array
-  prefill_chunk: jax.Array
-  sampled_last: jax.Array
-  first_sched_step: jax.Array
-  hit_first_sched: jax.Array
-  first_token_step: jax.Array
-  finish_step: jax.Array
-  num_preemptions: jax.Array
-  resume_hit_tokens: jax.Array
-  sched_steps: jax.Array
-  prefill_steps: jax.Array
-  running: jax.Array
-  num_running: jax.Array
-  waiting: jax.Array
-  waiting_head: jax.Array
-  num_waiting: jax.Array
-  queue_pos: jax.Array
-  queue_back: jax.Array
-  queue_front: jax.Array
-  sched_state: object
-  num_arrived: jax.Array
-  step: jax.Array
-  num_steps: jax.Array
-  idle_steps: jax.Array
-  error: jax.Array
-  time_ms: jax.Array
-  time_frac: jax.Array
-
-
-class StepRecord(NamedTuple):
-  """What one engine step did (one ``steps.jsonl`` line of the harness).
-
-  Attributes:
-    step: ``[]`` int32 the step's number on the clock.
-    sched_rid: ``[S]`` int32 scheduled requests in scheduler order, -1 pad.
-    sched_n: ``[S]`` int32 their scheduled tokens, 0 pad.
-    sched_kind: ``[S]`` int32 :class:`SchedKind`.
-    preempted: ``[S]`` int32 preempted requests in preemption order, -1 pad.
-    finished: ``[S]`` int32 finished requests in scheduled order, -1 pad.
-    num_running: ``[]`` int32 running after the step.
-    num_waiting: ``[]`` int32 waiting after the step.
-    free_blocks: ``[]`` int32 free blocks after scheduling.
-    free_blocks_end: ``[]`` int32 free blocks after the outputs.
-    prefill_tokens: ``[]`` int32.
-    decode_tokens: ``[]`` int32.
-    pc_hits: ``[]`` int32 ``PrefixCacheStats`` hits of this step.
-    pc_queries: ``[]`` int32 ``PrefixCacheStats`` queries of this step.
-    frag_tokens: ``[]`` int32 reserved but unused token slots after
-      scheduling: ``(-num_computed) mod K`` summed over running requests.
-    time_ms, time_frac: ``[]`` the engine's time when the step started
-      (a timed clock; 0 otherwise).
-    dt_s: ``[]`` float32 the step's duration in seconds (a timed clock; 0
-      otherwise).
-  """
-
-  step: jax.Array
-  sched_rid: jax.Array
-  sched_n: jax.Array
-  sched_kind: jax.Array
-  preempted: jax.Array
-  finished: jax.Array
-  num_running: jax.Array
-  num_waiting: jax.Array
-  free_blocks: jax.Array
-  free_blocks_end: jax.Array
-  prefill_tokens: jax.Array
-  decode_tokens: jax.Array
-  pc_hits: jax.Array
-  pc_queries: jax.Array
-  frag_tokens: jax.Array
-  time_ms: jax.Array
-  time_frac: jax.Array
-  dt_s: jax.Array
-
-
-StepTrace = StepRecord
-"""A :class:`StepRecord` with a leading ``[T]`` axis (one row per step)."""
-
-
-def _i32(x) -> jax.Array:
-  return jnp.asarray(x, jnp.int32)
-
-
-def init_state(
-  cache: pc.PrefixCacheState,
-  waiting: jax.Array,
-  num_waiting,
-  status: jax.Array,
-  prompt_len: jax.Array,
-  num_arrived=0,
-  scheduler: sch.Scheduler | str = "fcfs",
-) -> EngineState:
-  """An engine with the given requests waiting, in deque order.
-
-  Args:
-    cache: an empty prefix cache with ``S`` sequence slots.
-    waiting: ``[R]`` int32 request ids in arrival (FCFS) order, padded;
-      for policy ``"priority"`` the membership buffer (``waiting[rid] =
-      rid`` if queued, else -1).
-    num_waiting: int32 scalar, ids in ``waiting``.
-    status: ``[R]`` int32 :class:`ReqStatus` (``WAITING`` or ``REJECTED``).
-    prompt_len: ``[R]`` int32 prompt lengths.
-    num_arrived: int32 scalar, leading entries of
-      ``RequestTable.arrival_order`` already in ``waiting`` (or rejected);
-      :func:`run` queues the others as the clock reaches their step.
-      Requests queued here get FCFS positions in ``waiting``'s order (deque)
-      or by id (otherwise), and no ``on_arrival`` call.
-    scheduler: the :class:`prefixjax.serving.schedulers.Scheduler` (or its
-      registered name) whose ``init`` builds ``sched_state``.
-
-  Returns:
-    An :class:`EngineState`.
-  """
-  r = prompt_len.shape[0]
-  s = cache.paging.max_seqs
-  zeros = jnp.zeros((r,), jnp.int32)
-  minus = jnp.full((r,), NONE, jnp.int32)
-  false = jnp.zeros((r,), jnp.bool_)
-  zero = jnp.int32(0)
-  scheduler = sch.get_scheduler(scheduler)
-  waiting = _i32(waiting)
-  if scheduler.deque:
-    pos = scatter(zeros, waiting, jnp.arange(r, dtype=jnp.int32), waiting >= 0)
-  else:
-    pos = jnp.arange(r, dtype=jnp.int32)
-  return EngineState(
-    cache=cache,
-    status=_i32(status),
-    num_computed=zeros,
-    num_tokens=_i32(prompt_len),
-    num_output=zeros,
-    slot=minus,
-    prefill_chunk=false,
-    sampled_last=false,
-    first_sched_step=minus,
-    hit_first_sched=zeros,
-    first_token_step=minus,
-    finish_step=minus,
-    num_preemptions=zeros,
-    resume_hit_tokens=zeros,
-    sched_steps=zeros,
-    prefill_steps=zeros,
-    running=jnp.full((s,), NONE, jnp.int32),
-    num_running=zero,
-    waiting=waiting,
-    waiting_head=zero,
-    num_waiting=_i32(num_waiting),
-    queue_pos=pos,
-    queue_back=jnp.int32(r),
-    queue_front=jnp.int32(-1),
-    sched_state=scheduler.init(r),
-    num_arrived=_i32(num_arrived),
-    step=zero,
-    num_steps=zero,
-    idle_steps=zero,
-    error=zero,
-    time_ms=zero,
-    time_frac=jnp.float32(0),
-  )
-
-
-def _at(x: jax.Array, i) -> jax.Array:
-  return gather(x, _i32(i)[None])[0]
-
-
-def _put(x: jax.Array, i, value, mask=True) -> jax.Array:
-  return scatter(x, _i32(i)[None], value, mask)
-
-
-def _cap(n, threshold):
-  return jnp.where((threshold > 0) & (threshold < n), threshold, n)
-
-
-def _remove_at(x: jax.Array, k, length, mask) -> jax.Array:
-  """``del x[k]`` of the first ``length`` entries (where ``mask``), -1 pad."""
-  idx = jnp.arange(x.shape[0])
-  moved = gather(x, jnp.where(idx >= k, idx + 1, idx), NONE)
-  moved = jnp.where(idx < length - 1, moved, NONE)
-  return jnp.where(mask, moved, x)
-
-
-def view(st: EngineState, reqs: RequestTable) -> sch.WaitingView:
-  """What a scheduler reads of the engine (a :class:`WaitingView`)."""
-  r = st.status.shape[0]
-  zeros = jnp.zeros((r,), jnp.int32)
-  # A deque holds ids by slot, a keyed queue by id: either way this marks
-  # the queued ids.
-  queued = scatter(
-    jnp.zeros((r,), jnp.bool_), st.waiting, True, st.waiting >= 0
-  )
-  return sch.WaitingView(
-    queued=queued,
-    queue_pos=st.queue_pos,
-    num_waiting=st.num_waiting,
-    running=st.status == ReqStatus.RUNNING,
-    num_tokens=st.num_tokens,
-    prompt_len=reqs.prompt_len,
-    keys=reqs.keys,
-    cache=st.cache,
-    client=zeros if reqs.client is None else reqs.client,
-    rank=zeros if reqs.rank is None else reqs.rank,
-    step=st.step,
-  )
-
-
-def _running_phase(st, reqs, params, threshold, scheduler):
-  """The running loop of ``Scheduler.schedule`` (the policy's preemption)."""
+def _running_phase(st, reqs, params, threshold, scheduler, skip_all=False):
+  """The running loop of ``Scheduler.schedule`` (the policy's preemption);
+  no iteration where ``skip_all``."""
   s = st.running.shape[0]
   mml = params.max_model_len
   empty = jnp.full((s,), NONE, jnp.int32)
@@ -460,7 +139,7 @@ def _running_phase(st, reqs, params, threshold, scheduler):
   carry0 = dict(
     st=st,
     i=jnp.int32(0),
-    budget=_i32(params.max_num_batched_tokens),
+    budget=i32(params.max_num_batched_tokens),
     stop=jnp.bool_(False),
     sched_rid=empty,
     sched_n=jnp.zeros((s,), jnp.int32),
@@ -472,26 +151,33 @@ def _running_phase(st, reqs, params, threshold, scheduler):
     carry0.update(retry=jnp.bool_(False), retry_n=jnp.int32(0))
 
   def cond(c):
-    return (~c["stop"]) & (c["i"] < c["st"].num_running) & (c["budget"] > 0)
+    return (
+      (~skip_all)
+      & (~c["stop"])
+      & (c["i"] < c["st"].num_running)
+      & (c["budget"] > 0)
+    )
 
   def body(c):
     st = c["st"]
-    rid = _at(st.running, c["i"])
-    slot = _at(st.slot, rid)
-    computed = _at(st.num_computed, rid)
-    n = _cap(_at(st.num_tokens, rid) - computed, threshold)
+    rid = at(st.running, c["i"])
+    slot = at(st.slot, rid)
+    computed = at(st.num_computed, rid)
+    n = cap(at(st.num_tokens, rid) - computed, threshold)
     n = jnp.minimum(jnp.minimum(n, c["budget"]), mml - computed - 1)
     if priority:
       n = jnp.where(c["retry"], c["retry_n"], n)
     skip = n <= 0
-    cache, r = pc.append(st.cache, jnp.where(skip, NONE, slot), n)
-    ok = (~skip) & (r.status == Status.OK)
+    cache, app = append_tokens(st.cache, slot, n, skip)
+    ok = (~skip) & (app == Status.OK)
     fail = (~skip) & (~ok)
-    bad = fail & (r.status != Status.OUT_OF_BLOCKS)
-    cache, pub = pc.publish(
-      cache, jnp.where(ok, slot, NONE), get_row(reqs.keys, rid), computed + n
+    bad = fail & (app != Status.OUT_OF_BLOCKS)
+    k = st.cache.block_size
+    fills = (computed + n) // k > computed // k
+    cache, pub = publish_if(
+      ok & fills, cache, slot, get_row(reqs.keys, rid), computed + n
     )
-    bad = bad | (ok & (pub.status != Status.OK))
+    bad = bad | (ok & (pub != Status.OK))
     preempt = fail & ~bad
     lanes = jnp.arange(s) < st.num_running
     if priority:
@@ -500,38 +186,38 @@ def _running_phase(st, reqs, params, threshold, scheduler):
       vpos = jnp.argmax(vkeys).astype(jnp.int32)
     else:  # running.pop() (the last one)
       vpos = st.num_running - 1
-    victim = _at(st.running, vpos)
-    vslot = _at(st.slot, victim)
-    cache, rel = pc.release(cache, jnp.where(preempt, vslot, NONE))
-    bad = bad | (preempt & (rel.status != Status.OK))
+    victim = at(st.running, vpos)
+    vslot = at(st.slot, victim)
+    cache, rel = release_if(preempt, cache, vslot)
+    bad = bad | (preempt & (rel != Status.OK))
     st = st.replace(
       cache=cache,
-      num_computed=_put(
-        _put(st.num_computed, rid, computed + n, ok), victim, 0, preempt
+      num_computed=put(
+        put(st.num_computed, rid, computed + n, ok), victim, 0, preempt
       ),
-      status=_put(st.status, victim, ReqStatus.PREEMPTED, preempt),
-      slot=_put(st.slot, victim, NONE, preempt),
-      num_preemptions=_put(
+      status=put(st.status, victim, ReqStatus.PREEMPTED, preempt),
+      slot=put(st.slot, victim, NONE, preempt),
+      num_preemptions=put(
         st.num_preemptions,
         victim,
-        _at(st.num_preemptions, victim) + 1,
+        at(st.num_preemptions, victim) + 1,
         preempt,
       ),
-      sampled_last=_put(st.sampled_last, victim, False, preempt),
-      running=_remove_at(st.running, vpos, st.num_running, preempt),
+      sampled_last=put(st.sampled_last, victim, False, preempt),
+      running=remove_at(st.running, vpos, st.num_running, preempt),
       num_running=st.num_running - preempt.astype(jnp.int32),
     )
     if scheduler.deque:  # prepend_request: the deque's front
       r_len = st.waiting.shape[0]
       head = (st.waiting_head - 1 + r_len) % r_len
       st = st.replace(
-        waiting=_put(st.waiting, head, victim, preempt),
+        waiting=put(st.waiting, head, victim, preempt),
         waiting_head=jnp.where(preempt, head, st.waiting_head),
       )
     else:  # a keyed queue: back in, at the FCFS front
-      st = st.replace(waiting=_put(st.waiting, victim, victim, preempt))
+      st = st.replace(waiting=put(st.waiting, victim, victim, preempt))
     st = st.replace(
-      queue_pos=_put(st.queue_pos, victim, st.queue_front, preempt),
+      queue_pos=put(st.queue_pos, victim, st.queue_front, preempt),
       queue_front=st.queue_front - preempt.astype(jnp.int32),
     )
     st = st.replace(
@@ -539,8 +225,8 @@ def _running_phase(st, reqs, params, threshold, scheduler):
       error=jnp.where(bad, jnp.int32(SimStatus.CACHE_ERROR), st.error),
     )
     self_pre = preempt & (victim == rid)
-    sched_rid = _put(c["sched_rid"], c["num_sched"], rid, ok)
-    sched_n = _put(c["sched_n"], c["num_sched"], n, ok)
+    sched_rid = put(c["sched_rid"], c["num_sched"], rid, ok)
+    sched_n = put(c["sched_n"], c["num_sched"], n, ok)
     num_sched = c["num_sched"] + ok.astype(jnp.int32)
     out = dict(
       st=st,
@@ -550,7 +236,7 @@ def _running_phase(st, reqs, params, threshold, scheduler):
       sched_rid=sched_rid,
       sched_n=sched_n,
       num_sched=num_sched,
-      preempted=_put(c["preempted"], c["num_pre"], victim, preempt),
+      preempted=put(c["preempted"], c["num_pre"], victim, preempt),
       num_pre=c["num_pre"] + preempt.astype(jnp.int32),
     )
     if priority:
@@ -560,15 +246,15 @@ def _running_phase(st, reqs, params, threshold, scheduler):
       spos = jnp.argmax(
         (sched_rid == victim) & (jnp.arange(s) < num_sched)
       ).astype(jnp.int32)
-      was_sched = before & (_at(sched_rid, spos) == victim)
+      was_sched = before & (at(sched_rid, spos) == victim)
       out.update(
         i=out["i"] - before.astype(jnp.int32),
-        budget=out["budget"] + jnp.where(was_sched, _at(sched_n, spos), 0),
+        budget=out["budget"] + jnp.where(was_sched, at(sched_n, spos), 0),
         stop=c["stop"] | bad,  # after itself: the next running request
-        sched_rid=_remove_at(sched_rid, spos, num_sched, was_sched),
+        sched_rid=remove_at(sched_rid, spos, num_sched, was_sched),
         sched_n=jnp.where(
           jnp.arange(s) < num_sched - was_sched.astype(jnp.int32),
-          _remove_at(sched_n, spos, num_sched, was_sched),
+          remove_at(sched_n, spos, num_sched, was_sched),
           0,
         ),
         num_sched=num_sched - was_sched.astype(jnp.int32),
@@ -580,16 +266,101 @@ def _running_phase(st, reqs, params, threshold, scheduler):
   return jax.lax.while_loop(cond, body, carry0)
 
 
+def _all_decode(st, params, threshold):
+  """Whether the running loop is a plain decode round.
+
+  Every running request schedules exactly one token (the running loop's
+  ``n`` is 1 for each), the budget covers them all, and the free blocks
+  cover every request that starts a new block. Then nobody is preempted
+  and the loop schedules the running list in order, one token each.
+  """
+  s = st.running.shape[0]
+  k = st.cache.block_size
+  lanes = jnp.arange(s) < st.num_running
+  rids = jnp.where(lanes, st.running, 0)
+  computed = gather(st.num_computed, rids, 0)
+  n = cap(gather(st.num_tokens, rids, 0) - computed, threshold)
+  n = jnp.minimum(n, params.max_model_len - computed - 1)
+  grow = lanes & (computed % k == 0)
+  return (
+    (st.num_running > 0)
+    & jnp.all(jnp.where(lanes, n == 1, True))
+    & (st.num_running <= params.max_num_batched_tokens)
+    & (jnp.sum(grow.astype(jnp.int32)) <= st.cache.paging.num_free)
+  )
+
+
+def _decode_phase(st, reqs, params, enabled, scheduler):
+  """The running loop when :func:`_all_decode`: one token each, in order.
+
+  Only requests that start a new block (an allocation, in running order,
+  as the loop would make it) or fill one (a publish) touch the cache
+  verbs; the others' token counts move at once. Returns the running
+  loop's carry; where not ``enabled`` the state is unchanged.
+  """
+  s = st.running.shape[0]
+  k = st.cache.block_size
+  lanes = (jnp.arange(s) < st.num_running) & enabled
+  rids = jnp.where(lanes, st.running, 0)
+  computed = gather(st.num_computed, rids, 0)
+  slots = gather(st.slot, rids, 0)
+  grow = lanes & (computed % k == 0)
+  fills = lanes & ((computed + 1) % k == 0)
+  busy = grow | fills
+  (order,) = jnp.nonzero(busy, size=s, fill_value=0)
+  count = jnp.sum(busy.astype(jnp.int32))
+
+  def body(c):
+    j, cache, bad = c
+    lane = order[j]
+    rid, slot = rids[lane], slots[lane]
+    cache, app = append_tokens(cache, slot, jnp.int32(1), jnp.bool_(False))
+    cache, pub = publish_if(
+      fills[lane], cache, slot, get_row(reqs.keys, rid), computed[lane] + 1
+    )
+    bad = bad | (app != Status.OK) | (pub != Status.OK)
+    return j + 1, cache, bad
+
+  _, cache, bad = jax.lax.while_loop(
+    lambda c: c[0] < count, body, (jnp.int32(0), st.cache, jnp.bool_(False))
+  )
+  quiet = lanes & ~busy
+  counts = scatter(
+    cache.paging.num_tokens, jnp.where(quiet, slots, 0), computed + 1, quiet
+  )
+  cache = cache.replace(paging=cache.paging.replace(num_tokens=counts))
+  st = st.replace(
+    cache=cache,
+    num_computed=scatter(st.num_computed, rids, computed + 1, lanes),
+    error=jnp.where(bad, jnp.int32(SimStatus.CACHE_ERROR), st.error),
+  )
+  empty = jnp.full((s,), NONE, jnp.int32)
+  out = dict(
+    st=st,
+    i=st.num_running,
+    budget=i32(params.max_num_batched_tokens) - st.num_running,
+    stop=bad,
+    sched_rid=jnp.where(lanes, st.running, NONE),
+    sched_n=lanes.astype(jnp.int32),
+    num_sched=st.num_running,
+    preempted=empty,
+    num_pre=jnp.int32(0),
+  )
+  if scheduler.victim == "priority":
+    out.update(retry=jnp.bool_(False), retry_n=jnp.int32(0))
+  return out
+
+
 def _waiting_head(st, reqs, scheduler, key):
   """``waiting.peek()``: ``(rid, position in st.waiting)``."""
   if scheduler.deque:
-    return _at(st.waiting, st.waiting_head), st.waiting_head
+    return at(st.waiting, st.waiting_head), st.waiting_head
   v = view(st, reqs)
   if scheduler.pick is not None:
     rid = scheduler.pick(st.sched_state, key, v)
   else:
     rid = sch.lexicographic_pick(key, v)
-  rid = _i32(rid)
+  rid = i32(rid)
   return rid, rid
 
 
@@ -597,7 +368,7 @@ def _waiting_phase(c, reqs, params, threshold, scheduler):
   """The waiting loop of ``Scheduler.schedule`` (the queue's head first)."""
   st0 = c["st"]
   if scheduler.order is not None:
-    key = _i32(scheduler.order(st0.sched_state, view(st0, reqs)))
+    key = i32(scheduler.order(st0.sched_state, view(st0, reqs)))
   else:
     key = jnp.zeros_like(st0.queue_pos)
   s = st0.running.shape[0]
@@ -627,10 +398,10 @@ def _waiting_phase(c, reqs, params, threshold, scheduler):
     budget = c["budget"]
     rid, wpos = _waiting_head(st, reqs, scheduler, key)
     keys = get_row(reqs.keys, rid)
-    total = _at(st.num_tokens, rid)
+    total = at(st.num_tokens, rid)
     hit = pc.match(st.cache, keys, total)
     h = hit.hit_tokens
-    n = _cap(total - h, threshold)
+    n = cap(total - h, threshold)
     too_big = (~params.chunked_prefill) & (n > budget)
     n = jnp.minimum(n, budget)
     # allocate_slots(full_sequence_must_fit=True): the whole sequence.
@@ -656,26 +427,26 @@ def _waiting_phase(c, reqs, params, threshold, scheduler):
     )
     cache, pub = pc.publish(cache, jnp.where(ok, slot, NONE), keys, h + n)
     bad = bad | (ok & (pub.status != Status.OK))
-    first = _at(st.first_sched_step, rid) < 0
-    fresh = _at(st.num_preemptions, rid) == 0
+    first = at(st.first_sched_step, rid) < 0
+    fresh = at(st.num_preemptions, rid) == 0
     sched_state = scheduler.on_admit(st.sched_state, view(st, reqs), rid, n, ok)
     st = st.replace(
       cache=cache,
       sched_state=sched_state,
-      status=_put(st.status, rid, ReqStatus.RUNNING, ok),
-      num_computed=_put(st.num_computed, rid, h + n, ok),
-      slot=_put(st.slot, rid, slot, ok),
-      first_sched_step=_put(st.first_sched_step, rid, st.step, ok & first),
-      hit_first_sched=_put(st.hit_first_sched, rid, h, ok & first),
-      resume_hit_tokens=_put(
+      status=put(st.status, rid, ReqStatus.RUNNING, ok),
+      num_computed=put(st.num_computed, rid, h + n, ok),
+      slot=put(st.slot, rid, slot, ok),
+      first_sched_step=put(st.first_sched_step, rid, st.step, ok & first),
+      hit_first_sched=put(st.hit_first_sched, rid, h, ok & first),
+      resume_hit_tokens=put(
         st.resume_hit_tokens,
         rid,
-        _at(st.resume_hit_tokens, rid) + h,
+        at(st.resume_hit_tokens, rid) + h,
         ok & ~first,
       ),
-      running=_put(st.running, st.num_running, rid, ok),
+      running=put(st.running, st.num_running, rid, ok),
       num_running=st.num_running + ok.astype(jnp.int32),
-      waiting=_put(st.waiting, wpos, NONE, ok),
+      waiting=put(st.waiting, wpos, NONE, ok),
       waiting_head=jnp.where(ok, (st.waiting_head + 1) % r_len, st.waiting_head)
       if scheduler.deque
       else st.waiting_head,
@@ -688,9 +459,9 @@ def _waiting_phase(c, reqs, params, threshold, scheduler):
       st=st,
       budget=budget - jnp.where(ok, n, 0),
       stop=~ok,
-      sched_rid=_put(c["sched_rid"], c["num_sched"], rid, ok),
-      sched_n=_put(c["sched_n"], c["num_sched"], n, ok),
-      sched_kind=_put(c["sched_kind"], c["num_sched"], kind, ok),
+      sched_rid=put(c["sched_rid"], c["num_sched"], rid, ok),
+      sched_n=put(c["sched_n"], c["num_sched"], n, ok),
+      sched_kind=put(c["sched_kind"], c["num_sched"], kind, ok),
       num_sched=c["num_sched"] + ok.astype(jnp.int32),
       pc_hits=c["pc_hits"] + jnp.where(ok & fresh, h, 0),
       pc_queries=c["pc_queries"] + jnp.where(ok & fresh, total, 0),
@@ -700,35 +471,45 @@ def _waiting_phase(c, reqs, params, threshold, scheduler):
 
 
 def _update_from_output(st, c, reqs, params):
-  """``update_from_output``: sample, check stop, free, in scheduled order."""
+  """``update_from_output``: sample, check stop, free, in scheduled order.
+
+  The per-request updates are one vectorised pass (each request is
+  scheduled once per step); only the releases of finished requests, whose
+  order sets the free queue's, loop, carrying the cache alone.
+  """
   s = st.running.shape[0]
+  lanes = jnp.arange(s) < c["num_sched"]
+  rids = jnp.where(lanes, c["sched_rid"], 0)
+  sample = lanes & ~gather(st.prefill_chunk, rids, True)
+  tokens = gather(st.num_tokens, rids, 0) + sample.astype(jnp.int32)
+  outputs = gather(st.num_output, rids, 0) + sample.astype(jnp.int32)
+  done = sample & (
+    (tokens >= params.max_model_len)
+    | (outputs >= gather(reqs.max_tokens, rids, 0))
+  )
+  (order,) = jnp.nonzero(done, size=s, fill_value=0)
+  count = jnp.sum(done.astype(jnp.int32))
+  slots = gather(st.slot, rids, 0)
 
-  def body(j, carry):
-    st, finished, num_fin = carry
-    rid = c["sched_rid"][j]
-    valid = j < c["num_sched"]
-    sample = valid & ~_at(st.prefill_chunk, rid)
-    tokens = _at(st.num_tokens, rid) + sample.astype(jnp.int32)
-    outputs = _at(st.num_output, rid) + sample.astype(jnp.int32)
-    done = sample & (
-      (tokens >= params.max_model_len) | (outputs >= _at(reqs.max_tokens, rid))
-    )
-    cache, rel = pc.release(st.cache, jnp.where(done, _at(st.slot, rid), NONE))
-    bad = done & (rel.status != Status.OK)
-    st = st.replace(
-      cache=cache,
-      num_tokens=_put(st.num_tokens, rid, tokens, sample),
-      num_output=_put(st.num_output, rid, outputs, sample),
-      status=_put(st.status, rid, ReqStatus.FINISHED, done),
-      slot=_put(st.slot, rid, NONE, done),
-      finish_step=_put(st.finish_step, rid, st.step, done),
-      error=jnp.where(bad, jnp.int32(SimStatus.CACHE_ERROR), st.error),
-    )
-    finished = _put(finished, num_fin, rid, done)
-    return st, finished, num_fin + done.astype(jnp.int32)
+  def body(carry):
+    j, cache, bad = carry
+    cache, rel = pc.release(cache, slots[order[j]])
+    return j + 1, cache, bad | (rel.status != Status.OK)
 
-  st, finished, _ = jax.lax.fori_loop(
-    0, s, body, (st, jnp.full((s,), NONE, jnp.int32), jnp.int32(0))
+  _, cache, bad = jax.lax.while_loop(
+    lambda carry: carry[0] < count,
+    body,
+    (jnp.int32(0), st.cache, jnp.bool_(False)),
+  )
+  finished = jnp.where(jnp.arange(s) < count, rids[order], NONE)
+  st = st.replace(
+    cache=cache,
+    num_tokens=scatter(st.num_tokens, rids, tokens, sample),
+    num_output=scatter(st.num_output, rids, outputs, sample),
+    status=scatter(st.status, rids, jnp.int32(ReqStatus.FINISHED), done),
+    slot=scatter(st.slot, rids, NONE, done),
+    finish_step=scatter(st.finish_step, rids, st.step, done),
+    error=jnp.where(bad, jnp.int32(SimStatus.CACHE_ERROR), st.error),
   )
   # Scheduler.update_from_output: remove_all keeps the others' order.
   lanes = jnp.arange(s) < st.num_running
@@ -769,10 +550,21 @@ def step(
   threshold = jnp.where(
     state.num_running + state.num_waiting <= 1,
     0,
-    _i32(params.long_prefill_token_threshold),
+    i32(params.long_prefill_token_threshold),
   )
   scheduler = sch.get_scheduler(scheduler)
-  c = _running_phase(state, reqs, params, threshold, scheduler)
+  # Either a decode round or the general loop; no lax.cond over the state
+  # (its branches would copy every [R] array each step): the loop that is
+  # not taken runs no iteration.
+  fast = _all_decode(state, params, threshold)
+  quick = _decode_phase(state, reqs, params, fast, scheduler)
+  c = _running_phase(quick["st"], reqs, params, threshold, scheduler, fast)
+  c = {
+    key: c[key]
+    if key == "st"
+    else jax.tree.map(lambda a, b: jnp.where(fast, a, b), quick[key], c[key])
+    for key in c
+  }
   c = _waiting_phase(c, reqs, params, threshold, scheduler)
   st = c["st"]
   s = st.running.shape[0]
@@ -875,17 +667,17 @@ def _admit(
     )
 
   def body(st):
-    rid = _at(reqs.arrival_order, st.num_arrived)
-    queue = _at(st.status, rid) != ReqStatus.REJECTED
+    rid = at(reqs.arrival_order, st.num_arrived)
+    queue = at(st.status, rid) != ReqStatus.REJECTED
     if scheduler.deque:
       tail = (st.waiting_head + st.num_waiting) % r_len
     else:  # add_request: a heap push (keyed by rid)
       tail = rid
     st = st.replace(
-      waiting=_put(st.waiting, tail, rid, queue),
+      waiting=put(st.waiting, tail, rid, queue),
       num_waiting=st.num_waiting + queue.astype(jnp.int32),
       num_arrived=st.num_arrived + 1,
-      queue_pos=_put(st.queue_pos, rid, st.queue_back, queue),
+      queue_pos=put(st.queue_pos, rid, st.queue_back, queue),
       queue_back=st.queue_back + queue.astype(jnp.int32),
     )
     return st.replace(
@@ -905,6 +697,7 @@ def run(
   max_steps: int,
   scheduler: sch.Scheduler | str = "fcfs",
   clock=None,
+  record_lanes: bool = True,
 ) -> tuple[EngineState, StepTrace]:
   """Engine steps until no request is left, in one ``lax.while_loop``.
 
@@ -933,6 +726,10 @@ def run(
       ``arrival_ms + arrival_frac``, and an empty (or stuck) engine jumps
       to the next arrival's time; ``step`` then counts executed steps only
       and ``idle_steps`` stays 0.
+    record_lanes: keep every step's ``[S]`` fields (``sched_rid``,
+      ``sched_n``, ``sched_kind``, ``preempted``, ``finished``); when
+      False they hold one scratch row and only the ``[]`` fields are
+      per step (what the metrics read), so ``[T, S]`` buffers cost nothing.
 
   Raises:
     ValueError: an unknown scheduler, or ``"priority"`` without ranks.
@@ -957,12 +754,20 @@ def run(
       "a timed clock needs RequestTable.arrival_ms and arrival_frac"
     )
   return _run(
-    state, reqs, params, max_steps=max_steps, scheduler=scheduler, clock=clock
+    state,
+    reqs,
+    params,
+    max_steps=max_steps,
+    scheduler=scheduler,
+    clock=clock,
+    record_lanes=record_lanes,
   )
 
 
-@functools.partial(jax.jit, static_argnames=("max_steps", "scheduler", "clock"))
-def _run(state, reqs, params, *, max_steps, scheduler, clock):
+@functools.partial(
+  jax.jit, static_argnames=("max_steps", "scheduler", "clock", "record_lanes")
+)
+def _run(state, reqs, params, *, max_steps, scheduler, clock, record_lanes):
   r_len = reqs.arrival_order.shape[0]
   timed = clock is not None
   _, rec0 = jax.eval_shape(
@@ -971,9 +776,11 @@ def _run(state, reqs, params, *, max_steps, scheduler, clock):
     reqs,
     params,
   )
-  trace0 = jax.tree.map(
-    lambda x: jnp.zeros((max_steps, *x.shape), x.dtype), rec0
-  )
+
+  def rows(x):  # unrecorded [S] fields keep one scratch row
+    return max_steps if (record_lanes or x.ndim == 0) else 1
+
+  trace0 = jax.tree.map(lambda x: jnp.zeros((rows(x), *x.shape), x.dtype), rec0)
 
   def pending(st):
     return st.num_running + st.num_waiting > 0
@@ -989,35 +796,33 @@ def _run(state, reqs, params, *, max_steps, scheduler, clock):
       & (pending(st) | more(st))
     )
 
-  def to_next_arrival(st):
-    """The time (or step) of the next arrival, if one is left."""
+  def to_next_arrival(st, go=True):
+    """The time (or step) of the next arrival, if one is left (and ``go``)."""
     rid = gather(reqs.arrival_order, st.num_arrived[None], NONE)[0]
     if timed:
       ms = gather(reqs.arrival_ms, rid[None], 0)[0]
       frac = gather(reqs.arrival_frac, rid[None], 0)[0]
-      later = more(st) & ~_reached(ms, frac, st)
+      later = go & more(st) & ~_reached(ms, frac, st)
       return st.replace(
         time_ms=jnp.where(later, ms, st.time_ms),
         time_frac=jnp.where(later, frac, st.time_frac),
       )
     nxt = jnp.where(
-      more(st), gather(reqs.arrival_step, rid[None], 0)[0], st.step
+      go & more(st), gather(reqs.arrival_step, rid[None], 0)[0], st.step
     )
     nxt = jnp.maximum(nxt, st.step)
     return st.replace(step=nxt, idle_steps=st.idle_steps + nxt - st.step)
-
-  def idle(carry):
-    st, trace = carry
-    return to_next_arrival(st), trace
 
   def work(carry):
     st, trace = carry
     st, rec = step(st, reqs, params, scheduler, clock)
     ran = rec.sched_rid[0] >= 0
     trace = jax.tree.map(
-      lambda buf, x: buf.at[jnp.where(ran, st.num_steps, max_steps)].set(
-        x, mode="drop"
-      ),
+      lambda buf, x: buf.at[
+        jnp.where(ran, jnp.minimum(st.num_steps, buf.shape[0] - 1), max_steps)
+        if buf.shape[0] == 1
+        else jnp.where(ran, st.num_steps, max_steps)
+      ].set(x, mode="drop"),
       trace,
       rec,
     )
@@ -1025,7 +830,7 @@ def _run(state, reqs, params, *, max_steps, scheduler, clock):
     wait = (~ran) & pending(st) & more(st)  # time passes until an arrival
     if timed:
       st = _add_ms(st, jnp.where(ran, rec.dt_s * 1e3, 0))
-      st = jax.lax.cond(wait, to_next_arrival, lambda s: s, st)
+      st = to_next_arrival(st, wait)
       wait = jnp.bool_(False)
     st = st.replace(
       step=st.step + (ran | wait).astype(jnp.int32),
@@ -1041,7 +846,11 @@ def _run(state, reqs, params, *, max_steps, scheduler, clock):
   def body(carry):
     st, trace = carry
     st = _admit(st, reqs, scheduler, timed)
-    return jax.lax.cond(pending(st), work, idle, (st, trace))
+    # An empty engine jumps to the next arrival and queues it (no lax.cond:
+    # a step with nothing to do changes nothing).
+    st = to_next_arrival(st, ~pending(st))
+    st = _admit(st, reqs, scheduler, timed)
+    return work((st, trace))
 
   st, trace = jax.lax.while_loop(cond, body, (state, trace0))
   st = st.replace(
