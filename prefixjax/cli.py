@@ -765,6 +765,7 @@ def _cmd_simulate(args) -> int:
     step_time_ms=args.step_time_ms,
     rate=args.rate,
     seed=args.seed,
+    progress=sys.stderr.isatty(),
     **(
       dict(clock="roofline", model=args.model, hardware=args.hardware)
       if args.clock == "roofline"

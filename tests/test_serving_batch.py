@@ -62,3 +62,28 @@ def test_batch_refuses_mixed_static_shapes(rng):
     )
   with pytest.raises(ValueError, match="at least one"):
     serving.simulate_batch(trace, [])
+
+
+def test_progress_bar_reports_from_inside_the_loop(rng, capsys):
+  records = [
+    dict(input_tok_ids=rng.integers(1, 99, 12).tolist(), output_toks=200)
+    for _ in range(3)
+  ]
+  config = ServingConfig(**BASE, max_num_batched_tokens=64)
+  seen = []
+  plain = serving.simulate(records, config)
+  serving.vllm_v1.set_progress_sink(None)
+  with_bar = serving.simulate(records, config, progress=True)
+  assert with_bar.requests() == plain.requests()
+  err = capsys.readouterr().err
+  assert "simulate" in err and "3/3" in err
+  assert "256 steps" in err  # a report from inside the loop
+  # The loop itself calls the sink every PROGRESS_EVERY executed steps.
+  serving.vllm_v1.set_progress_sink(lambda done, steps: seen.append(steps))
+  try:
+    built = serving.simulate(records, config, progress=False)
+    del built
+  finally:
+    serving.vllm_v1.set_progress_sink(None)
+  assert seen == []  # progress=False compiles no callback
+  assert plain.num_steps > serving.vllm_v1.PROGRESS_EVERY

@@ -47,6 +47,9 @@ class SimResult:
       ``None``. With a timed clock, step numbers count executed steps
       (row ``s`` of ``trace`` is step ``s``), and ``arrival_step`` is the
       first step that started at or after the arrival.
+    parent, sample: ``[R]`` int, with parallel sampling (records with
+      ``n > 1``, :func:`prefixjax.serving.simulate.fan_out`): each child
+      request's record index and sample index; ``None`` without.
     lanes_recorded: whether ``trace`` holds every step's ``[S]`` fields
       (:func:`prefixjax.serving.simulate_batch` keeps only the per-step
       scalars the metrics need; then :meth:`scheduled` and :meth:`steps`
@@ -77,6 +80,8 @@ class SimResult:
   clock: Any = "steps"
   arrival_s: np.ndarray | None = None
   lanes_recorded: bool = True
+  parent: np.ndarray | None = None
+  sample: np.ndarray | None = None
 
   @property
   def ok(self) -> bool:
@@ -172,6 +177,8 @@ class SimResult:
         arrival_step=int(self.arrival_step[rid]),
         priority=0 if self.priority is None else int(self.priority[rid]),
       )
+      if self.parent is not None:
+        rec.update(parent=int(self.parent[rid]), sample=int(self.sample[rid]))
       if self.rejected[rid]:
         rec["status"] = "rejected"
         out.append(rec)

@@ -41,6 +41,7 @@ __all__ = [
   "records_from_trace",
   "simulate",
   "simulate_batch",
+  "fan_out",
 ]
 
 NUM_FABRICATED_VOCAB = 32000
@@ -375,6 +376,7 @@ def simulate(
   clock: Any = "steps",
   model: str | configs.ModelConfig | None = None,
   hardware: str | configs.HardwareConfig | None = None,
+  progress: bool = False,
 ) -> SimResult:
   """Serves a trace with vLLM 0.33's v1 scheduler, step by step.
 
@@ -421,6 +423,8 @@ def simulate(
       the next arrival, and needs no ``step_time_ms``.
     model, hardware: names (:data:`prefixjax.configs.MODELS`,
       :data:`prefixjax.configs.HARDWARE`) or configs, for ``"roofline"``.
+    progress: a progress bar (tqdm, on stderr) of requests done while the
+      loop runs, updated every 256 steps from inside it.
 
   Returns:
     A :class:`SimResult`; ``status`` is not ``"OK"`` when the run stalled
@@ -435,10 +439,28 @@ def simulate(
   built = _build(
     records, config, arrivals, step_time_ms, rate, seed, clock, model, hardware
   )
-  return _run_one(built, max_steps)
+  if not progress:
+    return _run_one(built, max_steps)
+  from tqdm import tqdm
+
+  with tqdm(total=len(records), unit="req", desc="simulate") as bar:
+
+    def update(done, steps):
+      bar.set_postfix_str(f"{steps:,} steps", refresh=False)
+      bar.update(done - bar.n)  # redraws at most every mininterval
+
+    engine.set_progress_sink(update)
+    try:
+      result = _run_one(built, max_steps, progress=True)
+    finally:
+      engine.set_progress_sink(None)
+    bar.update(len(records) - bar.n)
+  return result
 
 
-def _run_one(built, max_steps, record_lanes: bool = True) -> SimResult:
+def _run_one(
+  built, max_steps, record_lanes: bool = True, progress: bool = False
+) -> SimResult:
   """Runs one build, doubling the step rows while they run out."""
   retry = max_steps is None
   steps = max_steps or built.rows
@@ -451,6 +473,7 @@ def _run_one(built, max_steps, record_lanes: bool = True) -> SimResult:
       scheduler=built.scheduler,
       clock=built.timer,
       record_lanes=record_lanes,
+      progress=progress,
     )
     err = engine.SimStatus(int(final.error))
     if not (retry and err == engine.SimStatus.OUT_OF_STEPS):
@@ -479,7 +502,46 @@ def _check_records(trace) -> list:
   records = _records_of(trace) if isinstance(trace, Trace) else list(trace)
   if not records:
     raise ValueError("simulate needs at least one request")
-  return records
+  return fan_out(records)
+
+
+def fan_out(records: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+  """Parallel sampling as vLLM 0.33 does it: a record with ``n > 1`` becomes
+  ``n`` child requests.
+
+  ``vllm/v1/engine/llm_engine.py`` ``LLMEngine.add_request`` fans a request
+  with ``SamplingParams.n > 1`` out into ``n`` children (ids ``f"{idx}_{id}"``,
+  ``parallel_sampling.py`` ``ParentRequest.get_child_info``), added to the
+  engine core one after another with the same prompt and arrival; they are
+  scheduled as independent requests and share the prompt's blocks through
+  the prefix cache. Here the children are consecutive records (so they
+  queue in index order and tie in priority by index), with ``parent`` (the
+  record's index) and ``sample`` (``idx``); child 0 keeps the record's
+  ``output_tok_ids``, the others sample their own (the harness's fabricated
+  tokens of their own rid). Records without ``n`` (or ``n == 1``) pass
+  through unchanged, and with no ``n > 1`` anywhere the list is returned
+  as it is.
+
+  Raises:
+    ValueError: ``n`` not an int >= 1 (the message names the record).
+  """
+  ns = []
+  for rid, rec in enumerate(records):
+    n = rec.get("n", 1)
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+      raise ValueError(f"record {rid}: n={n!r} must be an int >= 1")
+    ns.append(int(n))
+  if max(ns) == 1:
+    return records
+  out = []
+  for rid, (rec, n) in enumerate(zip(records, ns, strict=True)):
+    for idx in range(n):
+      child = {k: v for k, v in rec.items() if k != "n"}
+      if idx > 0:
+        child.pop("output_tok_ids", None)
+      child.update(parent=rid, sample=idx)
+      out.append(child)
+  return out
 
 
 def _build(
@@ -575,8 +637,17 @@ def _build(
       arrival_msf=arrival_msf,
       rejected=rejected,
       priority=priority,
+      parent=_field(records, "parent"),
+      sample=_field(records, "sample"),
     ),
   )
+
+
+def _field(records, name: str) -> np.ndarray | None:
+  """``[R]`` int64 of a :func:`fan_out` field, or None without one."""
+  if name not in records[0]:
+    return None
+  return np.asarray([rec[name] for rec in records], np.int64)
 
 
 _STATIC = ("num_gpu_blocks", "block_size", "max_num_seqs", "max_model_len")
@@ -744,4 +815,6 @@ def _collect(built: _Built, f, trace_out) -> SimResult:
     priority=h["priority"],
     clock="steps" if built.timer is None else built.timer,
     arrival_s=h["arrival_s"],
+    parent=h["parent"],
+    sample=h["sample"],
   )

@@ -698,6 +698,7 @@ def run(
   scheduler: sch.Scheduler | str = "fcfs",
   clock=None,
   record_lanes: bool = True,
+  progress: bool = False,
 ) -> tuple[EngineState, StepTrace]:
   """Engine steps until no request is left, in one ``lax.while_loop``.
 
@@ -730,6 +731,9 @@ def run(
       ``sched_n``, ``sched_kind``, ``preempted``, ``finished``); when
       False they hold one scratch row and only the ``[]`` fields are
       per step (what the metrics read), so ``[T, S]`` buffers cost nothing.
+    progress: every :data:`PROGRESS_EVERY` executed steps, call the host
+      function set with :func:`set_progress_sink` with ``(requests done,
+      steps)`` (``jax.debug.callback``; a static flag, so one compile).
 
   Raises:
     ValueError: an unknown scheduler, or ``"priority"`` without ranks.
@@ -761,13 +765,38 @@ def run(
     scheduler=scheduler,
     clock=clock,
     record_lanes=record_lanes,
+    progress=progress,
   )
 
 
+PROGRESS_EVERY = 256
+_SINK: list = [None]
+
+
+def set_progress_sink(fn) -> None:
+  """The host function ``fn(done, steps)`` that ``run(progress=True)``
+  calls (``None``: nobody listens)."""
+  _SINK[0] = fn
+
+
+def _report_progress(done, steps) -> None:
+  if _SINK[0] is not None:
+    _SINK[0](int(done), int(steps))
+
+
 @functools.partial(
-  jax.jit, static_argnames=("max_steps", "scheduler", "clock", "record_lanes")
+  jax.jit,
+  static_argnames=(
+    "max_steps",
+    "scheduler",
+    "clock",
+    "record_lanes",
+    "progress",
+  ),
 )
-def _run(state, reqs, params, *, max_steps, scheduler, clock, record_lanes):
+def _run(
+  state, reqs, params, *, max_steps, scheduler, clock, record_lanes, progress
+):
   r_len = reqs.arrival_order.shape[0]
   timed = clock is not None
   _, rec0 = jax.eval_shape(
@@ -832,6 +861,13 @@ def _run(state, reqs, params, *, max_steps, scheduler, clock, record_lanes):
       st = _add_ms(st, jnp.where(ran, rec.dt_s * 1e3, 0))
       st = to_next_arrival(st, wait)
       wait = jnp.bool_(False)
+    if progress:
+      done = st.num_arrived - st.num_running - st.num_waiting
+      jax.lax.cond(
+        ran & (st.num_steps % PROGRESS_EVERY == PROGRESS_EVERY - 1),
+        lambda: jax.debug.callback(_report_progress, done, st.num_steps + 1),
+        lambda: None,
+      )
     st = st.replace(
       step=st.step + (ran | wait).astype(jnp.int32),
       num_steps=st.num_steps + ran.astype(jnp.int32),
