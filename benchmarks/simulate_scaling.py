@@ -8,11 +8,12 @@ compile) and simulated requests per second. Compare: vLLM's own
 ``Scheduler`` driven on CPU with a fabricated model output runs about 250
 requests/s at 16 sequences, Vidur 240-290 (issue 14's measurements).
 
-Not yet measured here: 256 configurations in one vmapped program (the
-simulator has no configuration axis yet).
+``--batch 1 16 64``: instead, ``simulate_batch`` of that many
+configurations (200 requests, 16 sequences, per-configuration budgets and
+Poisson rates) vmapped in one program, against one configuration.
 
 Usage: ``python benchmarks/simulate_scaling.py [--requests 2000]
-[--seqs 16 64] [--json OUT]``.
+[--seqs 16 64] [--batch 1 16] [--json OUT]``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import platform
 import time
 
 import jax
+import numpy as np
 
 from prefixjax import serving
 from prefixjax.serving import ServingConfig
@@ -33,8 +35,11 @@ def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--requests", type=int, nargs="+", default=[1000, 2000])
   p.add_argument("--seqs", type=int, nargs="+", default=[16, 64])
+  p.add_argument("--batch", type=int, nargs="+", metavar="B")
   p.add_argument("--json", metavar="OUT")
   args = p.parse_args()
+  if args.batch:
+    return batch(args.batch)
   rows = []
   print(
     f"jax {jax.__version__} on {jax.default_backend()} "
@@ -79,6 +84,30 @@ def main() -> None:
   if args.json:
     with open(args.json, "w") as f:
       json.dump(rows, f, indent=2)
+
+
+def batch(sizes) -> None:
+  trace = default_workload(num_requests=200, seed=0)
+  base = dict(
+    num_gpu_blocks=2049, block_size=16, max_num_seqs=16, max_model_len=4096
+  )
+  print(f"{'configs':>8} {'vmapped s':>10}")
+  for b in sizes:
+    configs = [
+      ServingConfig(**base, max_num_batched_tokens=512 + 64 * (i % 8))
+      for i in range(b)
+    ]
+    kw = dict(
+      arrivals="poisson",
+      rate=[float(r) for r in np.linspace(2, 50, b)],
+      seed=list(range(b)),
+      step_time_ms=20.0,
+      vectorize=True,
+    )
+    serving.simulate_batch(trace, configs, **kw)  # compile
+    t0 = time.perf_counter()
+    serving.simulate_batch(trace, configs, **kw)
+    print(f"{b:>8} {time.perf_counter() - t0:>10.2f}", flush=True)
 
 
 if __name__ == "__main__":
