@@ -20,6 +20,7 @@ import pytest
 from reference_models.schedulers import OrderedScheduler
 from reference_models.vllm_apc import cdiv
 from reference_models.vllm_scheduler import model_kwargs
+from serving_compare import assert_same_run
 
 from prefixjax import serving
 from prefixjax.serving import ServingConfig, schedulers
@@ -94,14 +95,7 @@ def compare(records, config, *, step_time_ms=None, **model_params):
     arrivals="trace" if timed else "zero",
     step_time_ms=step_time_ms,
   )
-  assert got.status == "OK"
-  mine = got.steps()
-  for s_model, s_mine in zip(steps, mine, strict=False):
-    assert s_mine["sched"] == s_model["sched"], f"step {s_model['step']}"
-    assert s_mine == s_model, f"step {s_model['step']}"
-  assert len(mine) == len(steps)
-  for r_model, r_mine in zip(reqs, got.requests(), strict=True):
-    assert r_mine == r_model, f"request {r_model['rid']}"
+  assert_same_run(got, steps, reqs)
   return steps, got
 
 

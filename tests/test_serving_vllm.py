@@ -19,6 +19,7 @@ from reference_models.vllm_scheduler import (
   fabricated_token,
   model_kwargs,
 )
+from serving_compare import assert_same_run
 
 import prefixjax as pj
 from prefixjax import serving
@@ -79,15 +80,8 @@ def _compare(records, config, *, max_steps=MAX_STEPS, step_time_ms=None):
     arrivals="trace" if timed else "zero",
     step_time_ms=step_time_ms,
   )
-  assert got.status == "OK"
-  mine = got.steps()
-  for s_model, s_mine in zip(steps, mine, strict=False):
-    assert s_mine["sched"] == s_model["sched"], f"step {s_model['step']}"
-    assert s_mine == s_model, f"step {s_model['step']}"
-  assert len(mine) == len(steps)
+  assert_same_run(got, steps, reqs)
   assert got.scheduled() == [s["sched"] for s in steps]
-  for r_model, r_mine in zip(reqs, got.requests(), strict=True):
-    assert r_mine == r_model, f"request {r_model['rid']}"
   return steps, reqs
 
 

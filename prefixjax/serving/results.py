@@ -168,6 +168,7 @@ class SimResult:
     def opt(x):
       return None if x < 0 else int(x)
 
+    times = self.step_times_s() if self.timed else None
     out = []
     for rid in range(len(self.prompt_len)):
       rec: dict[str, Any] = dict(
@@ -204,13 +205,13 @@ class SimResult:
         prefill_steps=int(self.prefill_steps[rid]),
       )
       if self.timed:
-        rec.update(self._request_times(rid))
+        rec.update(self._request_times(rid, *times))
       out.append(rec)
     return out
 
-  def _request_times(self, rid: int) -> dict[str, float | None]:
-    """A timed clock's seconds of one request (``None`` where none)."""
-    start, end = self.step_times_s()
+  def _request_times(self, rid: int, start, end) -> dict[str, float | None]:
+    """A timed clock's seconds of one request (``None`` where none), from
+    :meth:`step_times_s`."""
 
     def at(times, step):
       return None if step < 0 else float(times[step])

@@ -205,6 +205,12 @@ def window_hits(view: WaitingView, size: int) -> tuple[jax.Array, ...]:
   return rids, valid, tokens.astype(jnp.int32), blocks.astype(jnp.int32)
 
 
+def _same_prefix(keys: jax.Array) -> jax.Array:
+  """``[W, W, M]`` bool: rows ``i`` and ``j`` have the same key in column
+  ``d`` (chained keys: the same ``d + 1``-block prefix)."""
+  return jnp.all(keys[:, None] == keys[None, :], axis=-1)
+
+
 def _common_blocks(keys: jax.Array, full: jax.Array) -> jax.Array:
   """``[W, W]`` int32 full blocks two rows share from the start.
 
@@ -214,7 +220,7 @@ def _common_blocks(keys: jax.Array, full: jax.Array) -> jax.Array:
   m = keys.shape[1]
   cols = jnp.arange(m)
   have = cols[None, :] < full[:, None]  # [W, M]
-  eq = jnp.all(keys[:, None] == keys[None, :], axis=-1)  # [W, W, M]
+  eq = _same_prefix(keys)
   both = have[:, None] & have[None, :]
   return jnp.sum((eq & both).astype(jnp.int32), axis=-1)
 
@@ -323,7 +329,7 @@ def _dfs_order(max_sorted: int):
     # A node is a cached prefix of d + 1 blocks (a chained key); request i
     # passes through its first depth[i] nodes.
     on = valid[:, None] & (jnp.arange(m)[None, :] < depth[:, None])  # [W, M]
-    same = jnp.all(keys[:, None] == keys[None, :], axis=-1)  # [W, W, M]
+    same = _same_prefix(keys)
     same = same & on[:, None] & on[None, :]
     weight = jnp.sum(same.astype(jnp.int32), axis=1)  # [W, M]
     first = jnp.min(jnp.where(same, pos[None, :, None], _BIG), axis=1)

@@ -236,16 +236,7 @@ def arrival_times_s(
     raise ValueError(f"arrivals={arrivals!r}; expected one of {ARRIVALS}")
   if arrivals == "zero":
     return np.zeros((r,), np.float64)
-  if arrivals == "poisson":
-    if rate is None or not rate > 0:
-      raise ValueError(f"arrivals='poisson' needs rate > 0, got {rate!r}")
-    ns = _poisson_ns(r, rate, seed)
-  else:
-    ns = []
-    for rid, rec in enumerate(records):
-      if rec.get("arrival_time_ns") is None:
-        raise ValueError(f"record {rid}: no arrival_time_ns")
-      ns.append(int(rec["arrival_time_ns"]))
+  ns = _arrival_ns(records, arrivals, rate, seed)
   out = np.asarray(ns, np.float64) / 1e9
   if out.min() < 0 or out.max() * 1e3 >= 2**31 - 1:
     raise ValueError(
@@ -253,6 +244,24 @@ def arrival_times_s(
       "the timed clock's 2**31 ms"
     )
   return out
+
+
+def _arrival_ns(records, arrivals: str, rate, seed: int) -> list[int]:
+  """Arrival times in ns of ``"trace"`` (each record's) or ``"poisson"``.
+
+  Raises:
+    ValueError: a bad ``rate``; a record without ``arrival_time_ns``.
+  """
+  if arrivals == "poisson":
+    if rate is None or not rate > 0:
+      raise ValueError(f"arrivals='poisson' needs rate > 0, got {rate!r}")
+    return _poisson_ns(len(records), rate, seed)
+  ns = []
+  for rid, rec in enumerate(records):
+    if rec.get("arrival_time_ns") is None:
+      raise ValueError(f"record {rid}: no arrival_time_ns")
+    ns.append(int(rec["arrival_time_ns"]))
+  return ns
 
 
 def _clock(clock, model, hardware):
@@ -314,16 +323,7 @@ def arrival_steps(
   step_ns = int(round(step_time_ms * 1e6))
   if step_ns < 1:
     raise ValueError(f"step_time_ms={step_time_ms!r} is under a nanosecond")
-  if arrivals == "poisson":
-    if rate is None or not rate > 0:
-      raise ValueError(f"arrivals='poisson' needs rate > 0, got {rate!r}")
-    ns = _poisson_ns(r, rate, seed)
-  else:
-    ns = []
-    for rid, rec in enumerate(records):
-      if rec.get("arrival_time_ns") is None:
-        raise ValueError(f"record {rid}: no arrival_time_ns")
-      ns.append(int(rec["arrival_time_ns"]))
+  ns = _arrival_ns(records, arrivals, rate, seed)
   steps = [x // step_ns for x in ns]
   if min(steps) < 0 or max(steps) >= 2**31 - 1:
     raise ValueError(

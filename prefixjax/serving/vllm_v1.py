@@ -115,6 +115,7 @@ from prefixjax.serving.engine_state import (
 
 __all__ = [
   "POLICIES",
+  "PROGRESS_EVERY",
   "EngineParams",
   "EngineState",
   "ReqStatus",
@@ -125,7 +126,9 @@ __all__ = [
   "StepTrace",
   "init_state",
   "run",
+  "set_progress_sink",
   "step",
+  "view",
 ]
 
 
@@ -266,45 +269,35 @@ def _running_phase(st, reqs, params, threshold, scheduler, skip_all=False):
   return jax.lax.while_loop(cond, body, carry0)
 
 
-def _all_decode(st, params, threshold):
-  """Whether the running loop is a plain decode round.
+def _decode_phase(st, reqs, params, threshold, scheduler):
+  """The running loop when it is a plain decode round; ``(fast, carry)``.
 
-  Every running request schedules exactly one token (the running loop's
-  ``n`` is 1 for each), the budget covers them all, and the free blocks
-  cover every request that starts a new block. Then nobody is preempted
-  and the loop schedules the running list in order, one token each.
+  ``fast``: every running request schedules exactly one token (the running
+  loop's ``n`` is 1 for each), the budget covers them all, and the free
+  blocks cover every request that starts a new block. Then nobody is
+  preempted and the loop schedules the running list in order, one token
+  each: only requests that start a new block (an allocation, in running
+  order, as the loop would make it) or fill one (a publish) touch the
+  cache verbs; the others' token counts move at once. ``carry`` is the
+  running loop's; where not ``fast`` the state is unchanged.
   """
   s = st.running.shape[0]
   k = st.cache.block_size
-  lanes = jnp.arange(s) < st.num_running
-  rids = jnp.where(lanes, st.running, 0)
+  running = jnp.arange(s) < st.num_running
+  rids = jnp.where(running, st.running, 0)
   computed = gather(st.num_computed, rids, 0)
   n = cap(gather(st.num_tokens, rids, 0) - computed, threshold)
   n = jnp.minimum(n, params.max_model_len - computed - 1)
-  grow = lanes & (computed % k == 0)
-  return (
+  starts = running & (computed % k == 0)
+  enabled = (
     (st.num_running > 0)
-    & jnp.all(jnp.where(lanes, n == 1, True))
+    & jnp.all(jnp.where(running, n == 1, True))
     & (st.num_running <= params.max_num_batched_tokens)
-    & (jnp.sum(grow.astype(jnp.int32)) <= st.cache.paging.num_free)
+    & (jnp.sum(starts.astype(jnp.int32)) <= st.cache.paging.num_free)
   )
-
-
-def _decode_phase(st, reqs, params, enabled, scheduler):
-  """The running loop when :func:`_all_decode`: one token each, in order.
-
-  Only requests that start a new block (an allocation, in running order,
-  as the loop would make it) or fill one (a publish) touch the cache
-  verbs; the others' token counts move at once. Returns the running
-  loop's carry; where not ``enabled`` the state is unchanged.
-  """
-  s = st.running.shape[0]
-  k = st.cache.block_size
-  lanes = (jnp.arange(s) < st.num_running) & enabled
-  rids = jnp.where(lanes, st.running, 0)
-  computed = gather(st.num_computed, rids, 0)
+  lanes = running & enabled
   slots = gather(st.slot, rids, 0)
-  grow = lanes & (computed % k == 0)
+  grow = starts & enabled
   fills = lanes & ((computed + 1) % k == 0)
   busy = grow | fills
   (order,) = jnp.nonzero(busy, size=s, fill_value=0)
@@ -348,7 +341,7 @@ def _decode_phase(st, reqs, params, enabled, scheduler):
   )
   if scheduler.victim == "priority":
     out.update(retry=jnp.bool_(False), retry_n=jnp.int32(0))
-  return out
+  return enabled, out
 
 
 def _waiting_head(st, reqs, scheduler, key):
@@ -556,8 +549,7 @@ def step(
   # Either a decode round or the general loop; no lax.cond over the state
   # (its branches would copy every [R] array each step): the loop that is
   # not taken runs no iteration.
-  fast = _all_decode(state, params, threshold)
-  quick = _decode_phase(state, reqs, params, fast, scheduler)
+  fast, quick = _decode_phase(state, reqs, params, threshold, scheduler)
   c = _running_phase(quick["st"], reqs, params, threshold, scheduler, fast)
   c = {
     key: c[key]
@@ -881,9 +873,9 @@ def _run(
 
   def body(carry):
     st, trace = carry
-    st = _admit(st, reqs, scheduler, timed)
-    # An empty engine jumps to the next arrival and queues it (no lax.cond:
-    # a step with nothing to do changes nothing).
+    # An empty engine jumps to the next arrival (no jump when one is due
+    # now), then the due arrivals are queued; no lax.cond: a step with
+    # nothing to do changes nothing.
     st = to_next_arrival(st, ~pending(st))
     st = _admit(st, reqs, scheduler, timed)
     return work((st, trace))
