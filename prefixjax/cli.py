@@ -811,6 +811,27 @@ def _cmd_simulate(args) -> int:
   return 0
 
 
+def _add_sweep(subparsers) -> None:
+  from prefixjax.sweep import command
+
+  p = subparsers.add_parser(
+    "sweep",
+    help="run a sweep spec: results table, CSV, JSON, plots",
+    description=command.DESCRIPTION,
+  )
+  command.configure(p)
+  _add_compile_cache(p)
+  _add_debug(p)
+  p.set_defaults(func=_cmd_sweep)
+
+
+def _cmd_sweep(args) -> int:
+  from prefixjax.sweep import command
+
+  _use_compile_cache(args)
+  return command.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
   """The argument parser (exposed for tests and docs)."""
   from prefixjax import __version__
@@ -829,6 +850,7 @@ def build_parser() -> argparse.ArgumentParser:
   _add_demo(subparsers)
   _add_replay(subparsers)
   _add_simulate(subparsers)
+  _add_sweep(subparsers)
   return parser
 
 

@@ -1,18 +1,20 @@
 """Plots of replay results, sized and labelled for a paper.
 
-matplotlib is optional: ``pip install prefixjax[plot]``. The figures are built
-on a bare :class:`matplotlib.figure.Figure` (no pyplot, no backend switch), so
-a notebook's backend is left alone.
+matplotlib is a dependency (an environment without it gets an install
+hint). The figures are built on a bare :class:`matplotlib.figure.Figure`
+(no pyplot, no backend switch), so a notebook's backend is left alone.
 
 Every series gets its own colour (Okabe-Ito, colour-blind safe), marker and
 line style, in series order, so a series hidden under another still shows and
 the figure reads in greyscale. The x axis is ticked at the measured values
-themselves, thinned where labels would touch. Raster output is 300 dpi; a
-``.pdf`` or ``.svg`` path writes vector output.
+themselves, thinned where labels would touch; the scheduler figure's is
+categorical, its labels tilted where they would touch. Raster output is 300
+dpi; a ``.pdf`` or ``.svg`` path writes vector output.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 import textwrap
@@ -29,10 +31,13 @@ __all__ = [
   "hit_rate_figure",
   "plot_hit_rate_vs_block_size",
   "plot_hit_rates",
+  "plot_schedulers",
+  "scheduler_figure",
 ]
 
 DPI = 300
 FIGSIZE = (6.4, 4.0)  # inches: a two-column figure width
+SCHEDULER_FIGSIZE = (8.0, 3.6)  # two panels side by side, legend right
 _COLORS = (
   "#0072B2",
   "#E69F00",
@@ -303,10 +308,180 @@ def block_size_figure(
   return fig
 
 
+def plot_schedulers(
+  rows: Sequence[Mapping[str, Any]],
+  path: str | os.PathLike[str],
+  *,
+  series: str | None = None,
+  title: str | None = None,
+  trace: str | None = None,
+  figsize: tuple[float, float] = SCHEDULER_FIGSIZE,
+  also: Sequence[str] = (),
+) -> list[str]:
+  """TTFT p99 and throughput per scheduler, two panels, saved to ``path``.
+
+  Args:
+    rows: one dict per simulated configuration, with ``scheduler`` and the
+      metrics ``ttft_s_p99`` and ``throughput_tokens_per_s`` (or, for runs
+      without a clock in seconds, ``ttft_steps_p99`` and
+      ``throughput_tokens_per_step``); other keys are ignored. Rows sharing
+      the scheduler and the ``series`` value (seeds, say) are drawn as one
+      marker at their mean with a bar from their min to their max.
+    path: file to write, as in :func:`plot_hit_rates`.
+    series: a row key (``"rate"``, ``"num_blocks"``): one series per
+      distinct value, sorted, side by side at each scheduler. ``None``: one
+      series.
+    title: figure title; ``None`` names the trace, ``""`` draws none.
+    trace: trace file name; its stem titles the figure.
+    figsize: figure size in inches.
+    also: extra extensions (``("pdf",)``) written beside ``path``.
+
+  Returns:
+    The paths written, ``path`` first.
+
+  Raises:
+    ImportError: matplotlib is not installed (with the install hint).
+    ValueError: no rows, a row without ``scheduler``, a row without the
+      ``series`` key, or an unknown figure format.
+  """
+  fig = scheduler_figure(
+    rows, series=series, title=title, trace=trace, figsize=figsize
+  )
+  return _save(fig, path, also)
+
+
+def scheduler_figure(
+  rows: Sequence[Mapping[str, Any]],
+  *,
+  series: str | None = None,
+  title: str | None = None,
+  trace: str | None = None,
+  figsize: tuple[float, float] = SCHEDULER_FIGSIZE,
+) -> Figure:
+  """The figure :func:`plot_schedulers` saves: the TTFT panel on the left,
+  the throughput panel on the right.
+
+  The unit is seconds unless some row has a metric in steps but not in
+  seconds (a run without a clock); then both panels are in steps, for every
+  row, and the caption says so.
+  """
+  if not rows:
+    raise ValueError("no rows to plot")
+  nameless = [i for i, r in enumerate(rows) if r.get("scheduler") is None]
+  if nameless:
+    raise ValueError(f"rows without a 'scheduler': {_indices(nameless)}")
+  if series is not None:
+    missing = [i for i, r in enumerate(rows) if r.get(series) is None]
+    if missing:
+      raise ValueError(
+        f"series {series!r}: rows without that key: {_indices(missing)}"
+      )
+  seconds = _in_seconds(rows)
+  unit = "s" if seconds else "step"
+  panels = (
+    (
+      "ttft_s_p99" if seconds else "ttft_steps_p99",
+      "TTFT p99, lower is better",
+      "TTFT p99 (s)" if seconds else "TTFT p99 (steps)",
+    ),
+    (
+      "throughput_tokens_per_s" if seconds else "throughput_tokens_per_step",
+      "throughput, higher is better",
+      f"throughput (output tokens/{unit})",
+    ),
+  )
+  from matplotlib.ticker import FuncFormatter
+
+  names = list(dict.fromkeys(r["scheduler"] for r in rows))
+  where = {name: i for i, name in enumerate(names)}
+  values = [None] if series is None else _sorted({r[series] for r in rows})
+  # Side by side within 0.6 of the 1.0 between schedulers.
+  step = min(0.15, 0.6 / len(values))
+  fig, axes = _panels(figsize, len(panels))
+  runs: list[int] = []
+  for ax, (key, panel_title, ylabel) in zip(axes, panels, strict=True):
+    peak = 0.0
+    for j, value in enumerate(values):
+      groups: dict[Any, list[float]] = {}
+      for r in rows:
+        if (series is None or r[series] == value) and r.get(key) is not None:
+          groups.setdefault(r["scheduler"], []).append(float(r[key]))
+      if not groups:
+        continue
+      offset = (j - (len(values) - 1) / 2) * step
+      xs = [where[name] + offset for name in groups]
+      means = [sum(ys) / len(ys) for ys in groups.values()]
+      lows = [min(ys) for ys in groups.values()]
+      highs = [max(ys) for ys in groups.values()]
+      runs += [len(ys) for ys in groups.values()]
+      style = _style(j)
+      ax.errorbar(
+        xs,
+        means,
+        yerr=[
+          [m - lo for m, lo in zip(means, lows, strict=True)],
+          [hi - m for m, hi in zip(means, highs, strict=True)],
+        ],
+        color=style["color"],
+        marker=style["marker"],
+        linestyle="none",
+        capsize=2.5,
+        elinewidth=1.0,
+        markersize=_LINE["markersize"],
+        clip_on=False,
+        zorder=3,
+      )
+      peak = max(peak, *highs)
+    if not ax.containers:
+      ax.text(
+        0.5,
+        0.5,
+        "no data",
+        transform=ax.transAxes,
+        ha="center",
+        va="center",
+        fontsize=9,
+        color="0.3",
+      )
+    ax.set_ylim(0, 1.15 * peak if peak > 0 else 1.0)
+    ax.set_xlim(-0.5, len(names) - 0.5)
+    ax.xaxis.grid(False)
+    ax.set_xticks(range(len(names)), [str(name) for name in names])
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: count_label(v)))
+    ax.set_title(panel_title, fontsize=9)
+    ax.set_xlabel("scheduler", fontsize=9)
+    ax.set_ylabel(ylabel, fontsize=9)
+  if series is not None:
+    _legend(
+      fig,
+      axes[-1],
+      [_series_handle(series, v, j) for j, v in enumerate(values)],
+    )
+  if title is None:
+    title = _trace_stem(trace) if trace else ""
+  if title:
+    fig.suptitle(title, fontsize=10)
+  notes = []
+  if runs and max(runs) > 1:
+    n = f"{min(runs)}-{max(runs)}" if min(runs) < max(runs) else f"{max(runs)}"
+    notes.append(f"markers: mean of {n} runs, bars: min to max")
+  if not seconds and runs:
+    notes.append("in scheduler steps: a run had no clock in seconds")
+  _caption(fig, notes=notes)
+  _fit_category_labels(fig, axes)
+  return fig
+
+
 _LINE = {"linewidth": 1.4, "markersize": 5}
 
 
 def _new_figure(figsize: tuple[float, float]):
+  fig, (ax,) = _panels(figsize, 1)
+  return fig, ax
+
+
+def _panels(figsize: tuple[float, float], n: int):
+  """A bare figure with ``n`` axes side by side (constrained layout)."""
   try:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -316,10 +491,11 @@ def _new_figure(figsize: tuple[float, float]):
     ) from err
   fig = Figure(figsize=figsize, layout="constrained")
   FigureCanvasAgg(fig)
-  ax = fig.add_subplot()
-  ax.tick_params(labelsize=8)
-  ax.grid(True, which="major", alpha=0.3, linewidth=0.6)
-  return fig, ax
+  axes = [fig.add_subplot(1, n, i + 1) for i in range(n)]
+  for ax in axes:
+    ax.tick_params(labelsize=8)
+    ax.grid(True, which="major", alpha=0.3, linewidth=0.6)
+  return fig, axes
 
 
 def _legend(fig, ax, handles) -> None:
@@ -406,6 +582,94 @@ def _underfilled_handle():
     color="0.3",
     label="underfilled (reported 0)",
   )
+
+
+def _series_handle(key: str, value, i: int):
+  """Legend entry of the ``i``-th series, ``key = value``."""
+  from matplotlib.lines import Line2D
+
+  style = _style(i)
+  if isinstance(value, float) and not isinstance(value, bool):
+    shown = f"{value:g}"
+  else:
+    shown = str(value)
+  return Line2D(
+    [],
+    [],
+    linestyle="none",
+    marker=style["marker"],
+    markersize=_LINE["markersize"],
+    color=style["color"],
+    label=f"{key} = {shown}",
+  )
+
+
+def _in_seconds(rows: Sequence[Mapping[str, Any]]) -> bool:
+  """Seconds unless a row has a metric in steps only (no clock), or no row
+  has one in seconds."""
+  pairs = (
+    ("ttft_s_p99", "ttft_steps_p99"),
+    ("throughput_tokens_per_s", "throughput_tokens_per_step"),
+  )
+  clockless = any(
+    r.get(s) is None and r.get(t) is not None for r in rows for s, t in pairs
+  )
+  timed = any(r.get(s) is not None for r in rows for s, _ in pairs)
+  return timed and not clockless
+
+
+def _sorted(values) -> list:
+  """Sorted; by text where the values do not compare (mixed types)."""
+  try:
+    return sorted(values)
+  except TypeError:
+    return sorted(values, key=str)
+
+
+def _indices(indices: Sequence[int], at_most: int = 5) -> str:
+  shown = ", ".join(str(i) for i in indices[:at_most])
+  more = len(indices) - at_most
+  return shown + (f" and {more} more" if more > 0 else "")
+
+
+def _fit_category_labels(fig, axes) -> None:
+  """Tilts the x labels where two would touch (30 degrees, or steeper until
+  the slanted lines clear each other, up to 90) and breaks a y label taller
+  than its axes before its parenthesis."""
+  fig.draw_without_rendering()
+  pad = 0.6 * 8 * fig.dpi / 72  # a little over half a label font's em
+  slope = 0.0  # the least sine of the tilt that keeps the lines apart
+  for ax in axes:
+    texts = [t for t in ax.get_xticklabels() if t.get_text()]
+    boxes = sorted((b.x0, b.x1) for b in (t.get_window_extent() for t in texts))
+    if all(
+      b0 >= a1 + pad
+      for (_, a1), (b0, _) in zip(boxes[:-1], boxes[1:], strict=True)
+    ):
+      continue
+    # Slanted labels are parallel lines: apart by (tick spacing) * sin(tilt).
+    gap = ax.bbox.width / len(texts)
+    height = 1.4 * texts[0].get_fontsize() * fig.dpi / 72
+    slope = max(slope, height / gap)
+  if slope:
+    angle = next(
+      (a for a in (30, 45, 60) if math.sin(math.radians(a)) >= slope), 90
+    )
+    for ax in axes:
+      ax.set_xticks(
+        ax.get_xticks(),
+        [t.get_text() for t in ax.get_xticklabels()],
+        rotation=angle,
+        ha="right",
+        va="center" if angle == 90 else "top",
+        rotation_mode="anchor",
+      )
+    fig.draw_without_rendering()  # the axes are shorter now
+  for ax in axes:
+    label = ax.yaxis.label
+    text = label.get_text()
+    if " (" in text and label.get_window_extent().height > ax.bbox.height:
+      label.set_text(text.replace(" (", "\n(", 1))
 
 
 def _note_if_empty(ax, rows, ceiling: float | None) -> None:
@@ -541,13 +805,15 @@ def _trace_stem(trace: str) -> str:
 def _caption(
   fig,
   *,
-  block_size: int | None,
-  bytes_per_token: float | None,
-  warmup_fraction: float | None,
-  semantics: str | None,
-  underfilled: bool,
+  block_size: int | None = None,
+  bytes_per_token: float | None = None,
+  warmup_fraction: float | None = None,
+  semantics: str | None = None,
+  underfilled: bool = False,
+  notes: Sequence[str] = (),
 ) -> None:
-  """Small text under the axes: block size, measured window, semantics."""
+  """Small text under the axes: block size, measured window, semantics,
+  then ``notes``."""
   parts = []
   if block_size is not None:
     parts.append(f"block size {block_size} tokens")
@@ -566,6 +832,7 @@ def _caption(
     parts.append(f"{semantics} semantics")
   if underfilled:
     parts.append("x: the cache never filled in the warm-up, reported as 0 hits")
+  parts += notes
   if not parts:
     return
   text = "; ".join(parts) + "."

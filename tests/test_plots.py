@@ -1,8 +1,9 @@
 """Figures of replay results: what a reader of the paper can read off them.
 
-The builders (``hit_rate_figure``, ``block_size_figure``) are the figures
-the public savers write, so these tests inspect the drawn figure itself:
-tick labels after a draw, legend entries, styles, texts.
+The builders (``hit_rate_figure``, ``block_size_figure``,
+``scheduler_figure``) are the figures the public savers write, so these tests
+inspect the drawn figure itself: tick labels after a draw, legend entries,
+styles, texts, the plotted data.
 """
 
 import struct
@@ -381,3 +382,215 @@ def test_the_old_call_still_works(tmp_path):
 def test_no_rows_is_an_error():
   with pytest.raises(ValueError, match="no rows"):
     plots.hit_rate_figure([])
+
+
+def _scheduler_rows(rng, schedulers, rates, seeds):
+  """One row per (scheduler, rate, seed), shuffled, with random metrics."""
+  rows = [
+    dict(
+      scheduler=s,
+      rate=r,
+      seed=seed,
+      num_blocks=int(rng.integers(100, 1_000)),  # a key to ignore
+      ttft_s_p99=float(rng.uniform(0.05, 3.0)),
+      throughput_tokens_per_s=float(rng.uniform(500, 30_000)),
+      ttft_steps_p99=float(rng.uniform(5, 500)),
+      throughput_tokens_per_step=float(rng.uniform(1, 20)),
+    )
+    for s in schedulers
+    for r in rates
+    for seed in range(seeds)
+  ]
+  return [rows[i] for i in rng.permutation(len(rows))]
+
+
+def _points(ax):
+  """(x, y, low, high) of every marker drawn, one list per series."""
+  series = []
+  for container in ax.containers:
+    line, _, (bars,) = container.lines
+    spans = [(seg[0][1], seg[1][1]) for seg in bars.get_segments()]
+    series.append(
+      [
+        (x, y, min(span), max(span))
+        for x, y, span in zip(
+          line.get_xdata(), line.get_ydata(), spans, strict=True
+        )
+      ]
+    )
+  return series
+
+
+def test_scheduler_markers_are_the_mean_and_bars_the_min_and_max(rng):
+  import numpy as np
+
+  schedulers = [f"sched{i}" for i in rng.permutation(int(rng.integers(2, 6)))]
+  rates = [int(r) for r in rng.choice(64, int(rng.integers(2, 5)), False) + 1]
+  rows = _scheduler_rows(rng, schedulers, rates, int(rng.integers(2, 5)))
+  # Some runs finished no request (no TTFT in either unit); one (scheduler,
+  # rate) has no TTFT at all.
+  gone = (str(rng.choice(schedulers)), int(rng.choice(rates)))
+  for r in rows:
+    if (r["scheduler"], r["rate"]) == gone or (
+      r["seed"] > 0 and rng.uniform() < 0.3
+    ):
+      r["ttft_s_p99"] = r["ttft_steps_p99"] = None
+  order = list(dict.fromkeys(r["scheduler"] for r in rows))
+  fig = _drawn(plots.scheduler_figure(rows, series="rate"))
+  left, right = fig.axes
+  assert [t.get_text() for t in left.get_xticklabels()] == order
+  assert _legend_texts(right) == [f"rate = {r}" for r in sorted(rates)]
+  handles = right.get_legend().legend_handles
+  assert len({h.get_marker() for h in handles}) == len(rates)
+  assert len({h.get_color() for h in handles}) == len(rates)
+  for ax, key in ((left, "ttft_s_p99"), (right, "throughput_tokens_per_s")):
+    drawn = _points(ax)
+    assert len(drawn) == len(rates)
+    offsets = []
+    for rate, points in zip(sorted(rates), drawn, strict=True):
+      expected = {}
+      for i, s in enumerate(order):
+        ys = [
+          r[key]
+          for r in rows
+          if r["scheduler"] == s and r["rate"] == rate and r[key] is not None
+        ]
+        if ys:
+          expected[i] = (np.mean(ys), np.min(ys), np.max(ys))
+      got = {round(x): (y, lo, hi) for x, y, lo, hi in points}
+      assert sorted(got) == sorted(expected)
+      for i, values in expected.items():
+        assert got[i] == pytest.approx(values)
+      # Each series sits a little beside the scheduler, the same for all.
+      shifts = {round(x - round(x), 9) for x, *_ in points}
+      assert len(shifts) == 1 and abs(shifts.pop()) < 0.4
+      offsets.append(points[0][0] - round(points[0][0]))
+    assert offsets == sorted(offsets) and len(set(offsets)) == len(offsets)
+    assert ax.get_ylim()[0] == 0 and ax.get_ylim()[1] > max(
+      hi for points in drawn for *_, hi in points
+    )
+  assert "mean of" in _caption(fig) and "min to max" in _caption(fig)
+
+
+@pytest.mark.parametrize("clock", ["none", "all", "one_row_missing"])
+def test_schedulers_without_a_clock_are_drawn_in_steps(rng, clock):
+  schedulers = [f"s{i}" for i in range(int(rng.integers(1, 4)))]
+  rows = _scheduler_rows(rng, schedulers, [1], 1)
+  if clock == "none":
+    for r in rows:
+      r["ttft_s_p99"] = r["throughput_tokens_per_s"] = None
+  elif clock == "one_row_missing":
+    r = rows[int(rng.integers(len(rows)))]
+    r["ttft_s_p99"] = r["throughput_tokens_per_s"] = None
+  fig = plots.scheduler_figure(rows)
+  left, right = fig.axes
+  unit = "s" if clock == "all" else "steps"
+  assert left.get_ylabel() == f"TTFT p99 ({unit})"
+  assert right.get_ylabel() == "throughput (output tokens/{})".format(
+    "s" if clock == "all" else "step"
+  )
+  keys = (
+    ("ttft_s_p99", "throughput_tokens_per_s")
+    if clock == "all"
+    else ("ttft_steps_p99", "throughput_tokens_per_step")
+  )
+  for ax, key in zip((left, right), keys, strict=True):
+    (points,) = _points(ax)  # one series: no series key given
+    assert [y for _, y, *_ in points] == pytest.approx([r[key] for r in rows])
+  assert right.get_legend() is None
+  assert ("scheduler steps" in _caption(fig)) == (clock != "all")
+
+
+def test_a_run_with_no_finished_request_keeps_the_seconds(rng):
+  rows = _scheduler_rows(rng, ["fcfs", "sjf"], [1], 2)
+  rows[0]["ttft_s_p99"] = rows[0]["ttft_steps_p99"] = None
+  left, right = plots.scheduler_figure(rows).axes
+  assert left.get_ylabel() == "TTFT p99 (s)"
+  assert sum(len(p) for p in _points(left)) == 2  # two schedulers, pooled
+
+
+def test_a_panel_without_data_says_so(rng):
+  rows = _scheduler_rows(rng, ["fcfs", "sjf"], [1, 2], 2)
+  for r in rows:
+    r["throughput_tokens_per_s"] = r["throughput_tokens_per_step"] = None
+  left, right = plots.scheduler_figure(rows, series="rate").axes
+  assert [t.get_text() for t in right.texts] == ["no data"]
+  assert not right.containers and not left.texts
+  assert len(_points(left)) == 2
+
+
+@pytest.mark.parametrize("count, figsize", [(6, (6, 3)), (12, (8, 4.5))])
+def test_long_scheduler_names_are_tilted_so_they_do_not_touch(
+  rng, count, figsize
+):
+  import math
+
+  names = [f"scheduler_with_a_long_name_{i}" for i in range(count)]
+  rows = _scheduler_rows(rng, names, [1], 1)
+  long = [r["scheduler"] for r in rows]  # first-appearance order
+  fig = _drawn(plots.scheduler_figure(rows, figsize=figsize))
+  for ax in fig.axes:
+    shown = ax.get_xticklabels()
+    assert [t.get_text() for t in shown] == long
+    (angle,) = {t.get_rotation() for t in shown}
+    assert 30 <= angle <= 90
+    # Slanted labels are parallel lines, (tick spacing) * sin(angle) apart:
+    # more than a line of text.
+    xs = ax.transData.transform([(x, 0) for x in ax.get_xticks()])[:, 0]
+    spacing = min(b - a for a, b in zip(xs[:-1], xs[1:], strict=True))
+    height = shown[0].get_fontsize() * fig.dpi / 72
+    assert spacing * math.sin(math.radians(angle)) > 1.2 * height
+    # The y label, on two lines if need be, stays inside the figure.
+    box = ax.yaxis.label.get_window_extent()
+    assert 0 <= box.y0 and box.y1 <= fig.bbox.height
+  short = _drawn(
+    plots.scheduler_figure(_scheduler_rows(rng, ["fcfs", "sjf"], [1], 1))
+  )
+  assert {t.get_rotation() for t in short.axes[0].get_xticklabels()} == {0}
+
+
+def test_scheduler_title_is_the_trace_stem(rng):
+  name = f"trace{int(rng.integers(1_000))}"
+  rows = _scheduler_rows(rng, ["fcfs"], [1], 1)
+  fig = plots.scheduler_figure(rows, trace=f"/data/{name}.jsonl.gz")
+  assert fig.get_suptitle() == name
+  assert (
+    plots.scheduler_figure(rows, trace="t.jsonl", title="").get_suptitle() == ""
+  )
+  assert plots.scheduler_figure(rows, title="mine").get_suptitle() == "mine"
+
+
+def test_plot_schedulers_writes_png_and_pdf(tmp_path, rng):
+  rows = _scheduler_rows(rng, ["fcfs", "sjf", "lpm"], [2, 8], 3)
+  path = tmp_path / "schedulers.png"
+  written = plots.plot_schedulers(
+    rows, path, series="rate", trace="mooncake.jsonl", also=("pdf",)
+  )
+  assert written == [str(path), str(path.with_suffix(".pdf"))]
+  pdf = path.with_suffix(".pdf").read_bytes()
+  assert pdf.startswith(b"%PDF")
+  assert len(pdf) > 10_000 and path.stat().st_size > 10_000
+  chunks = _png_chunks(path.read_bytes())
+  width, height = struct.unpack(">II", chunks[b"IHDR"][:8])
+  assert (width, height) == (8 * 300, round(3.6 * 300))
+
+
+@pytest.mark.parametrize(
+  "rows, series, match",
+  [
+    ([], None, "no rows"),
+    (
+      [dict(scheduler="fcfs"), dict(policy="lru")],
+      None,
+      "rows without a 'scheduler': 1",
+    ),
+    (
+      [dict(scheduler="fcfs", rate=1), dict(scheduler="sjf")],
+      "rate",
+      "series 'rate': rows without that key: 1",
+    ),
+  ],
+)
+def test_scheduler_figure_rejects_bad_rows(rows, series, match):
+  with pytest.raises(ValueError, match=match):
+    plots.scheduler_figure(rows, series=series)

@@ -1,0 +1,499 @@
+"""Runs a sweep spec: groups of points as compiled programs, resumable.
+
+The points of a :class:`~prefixjax.sweep.spec.SweepSpec` that share a
+compiled program form a group, and each group is one call:
+
+* replay points that differ only in ``capacity`` are one
+  :func:`prefixjax.replay.replay` call (its engines batch capacities as
+  columns of one state, one stack pass, or one program run per capacity);
+* simulate points that share the static shapes (``num_blocks``,
+  ``block_size``, ``max_num_seqs``, ``max_model_len``, the scheduler, the
+  clock and its presets, the arrival mode) and differ in
+  ``max_num_batched_tokens``, ``chunked_prefill``, ``rate``, ``seed`` or
+  ``step_time_ms`` are one :func:`prefixjax.serving.simulate_batch` call,
+  vmapped over the points on accelerators, with the points' axis sharded
+  over the local devices (:class:`jax.sharding.NamedSharding`).
+
+Resumable: each finished point is written to ``DIR/points/<key>.json``
+atomically (a temporary file, flushed, then :func:`os.replace`), so a run
+killed at any moment (SIGKILL included) leaves only whole point files; a
+rerun with the same spec skips them and ends with the rows of a clean run.
+``DIR/spec.json`` records the expanded spec; a different spec in the same
+``DIR`` is refused. At the end ``DIR/results.csv`` and
+``DIR/results.json`` (one row per point, in spec order, every field and
+every metric), ``DIR/timing.json`` (compile and run seconds per group: the
+only numbers that differ between runs) and the plots are written, each
+atomically.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from prefixjax.sweep.spec import Point, SweepSpec, load_spec
+
+__all__ = [
+  "SweepError",
+  "SweepResult",
+  "run_sweep",
+]
+
+ROW_HEAD = ("index", "key", "mode", "workload")
+
+
+class SweepError(ValueError):
+  """The sweep cannot run as asked (a different spec in DIR, a bad DIR)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepResult:
+  """What :func:`run_sweep` returns.
+
+  Attributes:
+    spec: the expanded spec.
+    rows: one dict per point that ran, in spec order.
+    out: the results folder (None when run without one).
+    skipped: ``(point index, reason)`` of the points that could not run
+      (an absent trace).
+    reused: how many rows came from an earlier, interrupted run.
+    files: the files written (results, plots).
+    timing: per group: its points, compile and run seconds.
+  """
+
+  spec: SweepSpec
+  rows: tuple[dict[str, Any], ...]
+  out: pathlib.Path | None = None
+  skipped: tuple[tuple[int, str], ...] = ()
+  reused: int = 0
+  files: tuple[str, ...] = ()
+  timing: tuple[dict[str, Any], ...] = ()
+
+  def frame(self):
+    """The rows as a :class:`pandas.DataFrame` (one row per point)."""
+    import pandas as pd
+
+    return pd.DataFrame(list(self.rows), columns=columns(self.rows))
+
+  def table(self) -> str:
+    """The main columns of each mode, as a text table."""
+    return results_table(self.rows)
+
+
+def _atomic_write(path: pathlib.Path, text: str | bytes) -> None:
+  """Writes ``path`` whole or not at all (a kill leaves the old file)."""
+  tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+  data = text.encode() if isinstance(text, str) else text
+  with open(tmp, "wb") as f:
+    f.write(data)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+def _plain(v):
+  """JSON-able Python scalars (numpy ints and floats, NaN as None)."""
+  if isinstance(v, (np.integer,)):
+    return int(v)
+  if isinstance(v, (np.floating, float)):
+    v = float(v)
+    return None if not math.isfinite(v) else v
+  if isinstance(v, np.bool_):
+    return bool(v)
+  return v
+
+
+def columns(rows: Sequence[dict[str, Any]]) -> list[str]:
+  """Column order: the head, then every field and metric as first seen."""
+  seen = dict.fromkeys(ROW_HEAD)
+  for r in rows:
+    seen.update(dict.fromkeys(r))
+  return list(seen)
+
+
+def _csv(rows) -> str:
+  buf = io.StringIO()
+  names = columns(rows)
+  w = csv.DictWriter(buf, fieldnames=names, lineterminator="\n")
+  w.writeheader()
+  for r in rows:
+    w.writerow({k: "" if r.get(k) is None else r[k] for k in names})
+  return buf.getvalue()
+
+
+def _fragmentation(trace, block_size: int) -> float:
+  """Share of reserved token slots left empty: each sequence of ``P + O``
+  tokens reserves ``ceil((P + O) / K)`` blocks (the seed-002 table)."""
+  n = np.asarray(trace.input_lengths, np.int64) + np.asarray(
+    trace.output_lengths, np.int64
+  )
+  reserved = -(-n // block_size) * block_size
+  return float((reserved - n).sum() / max(int(reserved.sum()), 1))
+
+
+def _replay_group(trace, points: Sequence[Point]):
+  from prefixjax import replay as rp
+
+  p0 = points[0]
+  semantics, policy = p0.get("semantics"), p0.get("policy")
+  block_size, warmup = p0.get("block_size"), p0.get("warmup_fraction")
+  result = rp.replay(
+    trace,
+    policy=policy,
+    capacities=[p.get("capacity") for p in points],
+    semantics=semantics,
+    block_size=block_size,
+    warmup_fraction=warmup,
+  )
+  ceiling = None
+  if semantics == "kvcache-sim":
+    plan = rp.plan_trace(trace, block_size=block_size, warmup_fraction=warmup)
+    ceiling = rp.replay_ceiling(plan).hit_rate
+  frag = _fragmentation(trace, block_size)
+  rows = []
+  for point in result:
+    rows.append(
+      {
+        "hit_tokens": int(point.hit_tokens),
+        "total_tokens": int(point.total_tokens),
+        "hit_rate": float(point.hit_rate),
+        "measured_requests": int(point.measured_requests),
+        "underfilled": bool(point.underfilled),
+        "ceiling_hit_rate": ceiling,
+        "internal_fragmentation": frag,
+      }
+    )
+  return rows, result.timing.compile_s, result.timing.run_s
+
+
+def _simulate_group(trace, points: Sequence[Point], vectorize, devices):
+  from prefixjax.serving import ServingConfig, simulate_batch
+
+  p0 = points[0]
+  configs = [
+    ServingConfig(
+      num_gpu_blocks=p.get("num_blocks") + 1,
+      block_size=p.get("block_size"),
+      max_num_seqs=p.get("max_num_seqs"),
+      max_num_batched_tokens=p.get("max_num_batched_tokens"),
+      max_model_len=p.get("max_model_len"),
+      chunked_prefill=p.get("chunked_prefill"),
+      scheduler=p.get("scheduler"),
+    )
+    for p in points
+  ]
+  roofline = p0.get("clock") == "roofline"
+  start = time.perf_counter()
+  results = simulate_batch(
+    trace,
+    configs,
+    arrivals=p0.get("arrivals"),
+    step_time_ms=[p.get("step_time_ms") for p in points],
+    rate=[p.get("rate") for p in points],
+    seed=[p.get("seed") for p in points],
+    clock=p0.get("clock"),
+    model=p0.get("model") if roofline else None,
+    hardware=p0.get("hardware") if roofline else None,
+    vectorize=vectorize,
+    devices=devices,
+  )
+  run_s = time.perf_counter() - start
+  rows = []
+  for r in results:
+    m = {k: _plain(v) for k, v in r.metrics().items()}
+    rows.append({"hit_rate": m["token_hit_rate"], "status": r.status, **m})
+  return rows, None, run_s
+
+
+_REPLAY_SHARED = ("semantics", "policy", "block_size", "warmup_fraction")
+_SIM_SHARED = (
+  "semantics",
+  "num_blocks",
+  "block_size",
+  "max_num_seqs",
+  "max_model_len",
+  "scheduler",
+  "clock",
+  "model",
+  "hardware",
+  "arrivals",
+)
+
+
+def groups(spec: SweepSpec) -> list[list[Point]]:
+  """The points that run as one program, in order of their first point."""
+  out: dict[tuple, list[Point]] = {}
+  for p in spec.points:
+    shared = _REPLAY_SHARED if p.mode == "replay" else _SIM_SHARED
+    key = (p.mode, p.workload.name, *(p.get(k) for k in shared))
+    out.setdefault(key, []).append(p)
+  return list(out.values())
+
+
+def _check_out(out: pathlib.Path, spec: SweepSpec) -> None:
+  if out.exists() and not out.is_dir():
+    raise SweepError(f"--out {out}: exists and is not a folder")
+  parent = out if out.exists() else out.parent
+  while not parent.exists():
+    parent = parent.parent
+  if not os.access(parent, os.W_OK):
+    raise SweepError(f"--out {out}: {parent} is not writable")
+  recorded = out / "spec.json"
+  if recorded.exists():
+    try:
+      old = json.loads(recorded.read_text())
+    except (OSError, ValueError) as err:
+      raise SweepError(
+        f"{recorded}: unreadable ({err}); use another --out"
+      ) from None
+    if old.get("fingerprint") != spec.fingerprint():
+      raise SweepError(
+        f"--out {out} holds the results of a different spec "
+        f"({old.get('spec')}, {len(old.get('points', []))} points; this one "
+        f"has {len(spec.points)}): use another --out, or delete {out} to "
+        "start over"
+      )
+
+
+def _load_done(folder: pathlib.Path, spec: SweepSpec) -> dict[str, dict]:
+  done = {}
+  if not folder.is_dir():
+    return done
+  keys = {p.key for p in spec.points}
+  for f in folder.iterdir():
+    if f.name.startswith("."):  # a temporary file a kill left behind
+      f.unlink(missing_ok=True)
+      continue
+    if f.suffix != ".json" or f.stem not in keys:
+      continue
+    try:
+      row = json.loads(f.read_text())
+    except ValueError:
+      continue  # cannot happen with atomic writes; recompute to be safe
+    done[f.stem] = row
+  return done
+
+
+def run_sweep(
+  spec: SweepSpec | str | os.PathLike,
+  out: str | os.PathLike | None = None,
+  *,
+  full: bool = False,
+  plots: bool = True,
+  progress: bool | None = None,
+  devices: Sequence[Any] | None = None,
+  log: Callable[[str], None] | None = None,
+) -> SweepResult:
+  """Runs every point of a spec and writes the results under ``out``.
+
+  Args:
+    spec: a :class:`SweepSpec` or a spec file path.
+    out: the results folder (created; rerunning with the same spec resumes;
+      a different spec is refused). None keeps the rows in memory only.
+    full: with a path, apply the spec's ``[full]`` table.
+    plots: write the figures (needs matplotlib).
+    progress: a progress bar over points (default: when stderr is a tty).
+    devices: the devices a vectorized simulate group's points are sharded
+      over (default: all local devices).
+    log: where to say what is skipped and reused (default: stderr).
+
+  Returns:
+    A :class:`SweepResult`.
+
+  Raises:
+    SpecError: a bad spec (file, field, rule).
+    SweepError: ``out`` holds another spec's results or is not writable.
+    Errors of loading a trace (file and line) come before any point runs.
+  """
+  import jax
+
+  if not isinstance(spec, SweepSpec):
+    spec = load_spec(spec, full=full)
+  say = log or (lambda m: print(m, file=sys.stderr))
+  folder = None
+  done: dict[str, dict] = {}
+  if out is not None:
+    out = pathlib.Path(out)
+    _check_out(out, spec)
+    folder = out / "points"
+    done = _load_done(folder, spec)
+  for sem, policy, n in spec.left_out:
+    say(
+      f"replay: {n} points of policy {policy} left out ({sem} does not "
+      "serve it)"
+    )
+  missing = {}
+  traces = {}
+  for name, w in spec.workloads.items():
+    if not any(p.workload.name == name for p in spec.points):
+      continue
+    why = w.missing()
+    if why:
+      missing[name] = why
+      say(f"workload {name}: {why}; its points are skipped")
+    elif any(
+      p.workload.name == name and p.key not in done for p in spec.points
+    ):
+      traces[name] = w.load()
+  if out is not None:
+    out.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(exist_ok=True)
+    _atomic_write(out / "spec.json", json.dumps(spec.describe(), indent=1))
+  reused = len(done)
+  if done:
+    say(f"resuming: {len(done)} of {len(spec.points)} points already done")
+  if devices is None:
+    devices = jax.local_devices()
+  todo = [
+    g
+    for g in groups(spec)
+    if g[0].workload.name not in missing and any(p.key not in done for p in g)
+  ]
+  total = sum(sum(p.key not in done for p in g) for g in todo)
+  bar = None
+  if progress is None:
+    progress = sys.stderr.isatty()
+  if progress and total:
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc=f"sweep {spec.name}", unit="point")
+  timing = []
+  try:
+    for g in todo:
+      g = [p for p in g if p.key not in done]
+      trace = traces[g[0].workload.name]
+      if g[0].mode == "replay":
+        rows, compile_s, run_s = _replay_group(trace, g)
+      else:
+        rows, compile_s, run_s = _simulate_group(
+          trace, g, spec.vectorize, devices
+        )
+      timing.append(
+        {
+          "points": [p.index for p in g],
+          "mode": g[0].mode,
+          "compile_s": compile_s,
+          "run_s": run_s,
+        }
+      )
+      for p, metrics in zip(g, rows, strict=True):
+        row = {
+          "index": p.index,
+          "key": p.key,
+          "mode": p.mode,
+          "workload": p.workload.name,
+          **dict(p.params),
+          **metrics,
+        }
+        row = {k: _plain(v) for k, v in row.items()}
+        done[p.key] = row
+        if folder is not None:
+          _atomic_write(folder / f"{p.key}.json", json.dumps(row))
+      if bar is not None:
+        bar.update(len(g))
+  finally:
+    if bar is not None:
+      bar.close()
+  rows = tuple(done[p.key] for p in spec.points if p.key in done)
+  skipped = tuple(
+    (p.index, missing[p.workload.name])
+    for p in spec.points
+    if p.workload.name in missing
+  )
+  files: list[str] = []
+  if out is not None:
+    _atomic_write(out / "results.csv", _csv(rows))
+    _atomic_write(out / "results.json", json.dumps(list(rows), indent=1))
+    _atomic_write(
+      out / "skipped.json",
+      json.dumps([{"index": i, "reason": r} for i, r in skipped], indent=1),
+    )
+    _atomic_write(out / "timing.json", json.dumps(timing, indent=1))
+    files += [str(out / "results.csv"), str(out / "results.json")]
+    if plots and rows:
+      from prefixjax.sweep.figures import sweep_plots
+
+      files += sweep_plots(rows, out / "plots", spec)
+  return SweepResult(
+    spec=spec,
+    rows=rows,
+    out=out,
+    skipped=skipped,
+    reused=reused,
+    files=tuple(files),
+    timing=tuple(timing),
+  )
+
+
+_TABLE = {
+  "replay": (
+    ("workload", "workload", "{}"),
+    ("semantics", "semantics", "{}"),
+    ("policy", "policy", "{}"),
+    ("block_size", "K", "{}"),
+    ("capacity", "capacity", "{:,}"),
+    ("hit_rate", "hit rate", "{:.1%}"),
+    ("ceiling_hit_rate", "ceiling", "{:.1%}"),
+  ),
+  "simulate": (
+    ("workload", "workload", "{}"),
+    ("scheduler", "scheduler", "{}"),
+    ("num_blocks", "blocks", "{:,}"),
+    ("max_num_seqs", "seqs", "{}"),
+    ("rate", "rate/s", "{:g}"),
+    ("seed", "seed", "{}"),
+    ("hit_rate", "hit rate", "{:.1%}"),
+    ("preemptions", "preempt", "{:,}"),
+    ("ttft_s_p99", "TTFT p99 s", "{:.3f}"),
+    ("throughput_tokens_per_s", "tok/s", "{:,.0f}"),
+  ),
+}
+
+
+def results_table(rows: Sequence[dict[str, Any]]) -> str:
+  """A text table per mode: the fields that vary and the main metrics."""
+  parts = []
+  for mode, cols in _TABLE.items():
+    mine = [r for r in rows if r["mode"] == mode]
+    if not mine:
+      continue
+    keep = [
+      c
+      for c in cols
+      if c[0] in ("hit_rate",)
+      or len({repr(r.get(c[0])) for r in mine}) > 1
+      or c[0]
+      in (
+        "ttft_s_p99",
+        "throughput_tokens_per_s",
+        "preemptions",
+        "ceiling_hit_rate",
+        "policy",
+        "scheduler",
+      )
+    ]
+    keep = [c for c in keep if any(r.get(c[0]) is not None for r in mine)]
+    cells = [[h for _, h, _ in keep]]
+    for r in mine:
+      cells.append(
+        ["-" if r.get(k) is None else f.format(r[k]) for k, _, f in keep]
+      )
+    widths = [max(len(row[i]) for row in cells) for i in range(len(keep))]
+    lines = [
+      "  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True))
+      for row in cells
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    parts.append(f"{mode} ({len(mine)} points)\n" + "\n".join(lines))
+  return "\n\n".join(parts)

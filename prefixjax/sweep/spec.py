@@ -1,0 +1,747 @@
+"""Sweep specs: a TOML file describing a grid of replay and simulate points.
+
+TOML because it is readable, diffable and read by the standard library
+(:mod:`tomllib`, Python 3.11+): no dependency, comments allowed, and types
+(ints, floats, booleans, lists) survive without guessing. A spec::
+
+  [sweep]
+  name = "quickstart"              # default: the file's stem
+  description = "..."
+
+  [workloads.mixed]                # one table per workload; rows name it
+  generator = "default"            # a prefixjax.workloads kind ...
+  requests = 300
+  seed = 0
+  params = { num_prompts = 8 }     # ... and its parameters
+
+  [workloads.mooncake]
+  trace = "../shared/traces/mooncake_trace.jsonl"  # ... or a trace file,
+  format = "auto"                  # relative to the spec; its points are
+  limit = 2000                     # skipped, with the reason, when absent
+
+  [replay]                         # a grid: every field a value or a list
+  semantics = "kvcache-sim"        # capacity in blocks, or capacity_tokens
+  policy = ["fifo", "lru_leaf", "belady_leaf"]
+  block_size = 16
+  capacity = [64, 128, 256]
+
+  [simulate]
+  scheduler = ["fcfs", "lpm"]
+  num_blocks = 256                 # usable blocks, as --num-blocks
+  clock = "roofline"
+  arrivals = "poisson"
+  rate = [4.0, 8.0]
+  seed = [0, 1]
+
+  [[points]]                       # explicit points, after the grids
+  mode = "simulate"
+  scheduler = "priority"
+  num_blocks = 512
+
+  [full]                           # what --full changes (same tables)
+  workloads.mixed.requests = 5000
+
+The grid of a mode section is the product of its list-valued fields, in the
+order the fields are written, the last varying fastest; a field left out
+takes its default (:data:`REPLAY_FIELDS`, :data:`SIMULATE_FIELDS`).
+``workload`` is a field too, by default every workload. An explicit point
+takes each field it leaves out from its mode's section when that is a single
+value, else the default; a point may not leave out a field its section
+lists several values of. In a replay grid, a policy the semantics does not
+serve (vLLM's is ``lru``, SGLang's ``lru_leaf``) is left out of that
+semantics' points, and the spec says how many were left out; a listed policy
+no listed semantics serves is an error.
+
+Every error names the file, the field (``simulate.rate[1]``, ``points[2]
+.scheduler``) and the rule broken, before any work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import itertools
+import json
+import math
+import pathlib
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+__all__ = [
+  "MODES",
+  "REPLAY_FIELDS",
+  "SIMULATE_FIELDS",
+  "Point",
+  "SpecError",
+  "SweepSpec",
+  "WorkloadSpec",
+  "load_spec",
+  "parse_spec",
+]
+
+MODES = ("replay", "simulate")
+
+
+class SpecError(ValueError):
+  """A sweep spec broke a rule; the message names file, field and rule."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+  check: Callable[[str, Any], Any]  # (where, value) -> value, or raises
+  default: Any = None
+  required: bool = False
+  help: str = ""
+
+
+def _fail(where: str, rule: str):
+  raise SpecError(f"{where}: {rule}")
+
+
+def _int(minimum: int):
+  def check(where, v):
+    if isinstance(v, bool) or not isinstance(v, int):
+      _fail(where, f"must be an integer, got {v!r}")
+    if v < minimum:
+      _fail(where, f"must be >= {minimum}, got {v}")
+    return v
+
+  return check
+
+
+def _float(low: float, high: float | None = None, *, open_low=False):
+  def check(where, v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+      _fail(where, f"must be a number, got {v!r}")
+    v = float(v)
+    if not math.isfinite(v) or (v <= low if open_low else v < low):
+      _fail(where, f"must be {'>' if open_low else '>='} {low}, got {v}")
+    if high is not None and v >= high:
+      _fail(where, f"must be < {high}, got {v}")
+    return v
+
+  return check
+
+
+def _bool(where, v):
+  if not isinstance(v, bool):
+    _fail(where, f"must be true or false, got {v!r}")
+  return v
+
+
+def _choice(choices: Callable[[], Sequence[str]]):
+  def check(where, v):
+    known = tuple(choices())
+    if not isinstance(v, str) or v not in known:
+      _fail(where, f"{v!r} is not one of {', '.join(known)}")
+    return v
+
+  return check
+
+
+def _optional(check):
+  def wrapped(where, v):
+    return None if v is None else check(where, v)
+
+  return wrapped
+
+
+def _semantics():
+  from prefixjax.replay import SEMANTICS
+
+  return SEMANTICS
+
+
+def _policies():
+  from prefixjax.replay import REPLAY_POLICIES, SEMANTICS_POLICY
+
+  return tuple(dict.fromkeys((*REPLAY_POLICIES, *SEMANTICS_POLICY.values())))
+
+
+def _schedulers():
+  from prefixjax.serving.schedulers import scheduler_names
+
+  return scheduler_names()
+
+
+def _models():
+  from prefixjax import configs
+
+  return sorted(configs.MODELS)
+
+
+def _hardware():
+  from prefixjax import configs
+
+  return sorted(configs.HARDWARE)
+
+
+def _workload_kinds():
+  from prefixjax.workloads import workload_kinds
+
+  return tuple(workload_kinds())
+
+
+REPLAY_FIELDS: dict[str, _Field] = {
+  "workload": _Field(_choice(lambda: ()), help="a [workloads] name"),
+  "semantics": _Field(_choice(_semantics), "kvcache-sim"),
+  "policy": _Field(
+    _optional(_choice(_policies)),
+    None,
+    help="default: the semantics' policy (kvcache-sim: lru_leaf)",
+  ),
+  "block_size": _Field(_int(1), 16),
+  "capacity": _Field(_optional(_int(1)), None, help="cache blocks"),
+  "capacity_tokens": _Field(
+    _optional(_int(1)),
+    None,
+    help="cache size in tokens instead: capacity = capacity_tokens // K",
+  ),
+  "warmup_fraction": _Field(_float(0.0, 1.0), 0.5),
+}
+"""Fields of a replay point (:func:`prefixjax.replay.replay`)."""
+
+SIMULATE_FIELDS: dict[str, _Field] = {
+  "workload": _Field(_choice(lambda: ()), help="a [workloads] name"),
+  "semantics": _Field(_choice(lambda: ("vllm",)), "vllm"),
+  "scheduler": _Field(_choice(_schedulers), "fcfs"),
+  "block_size": _Field(_int(1), 16),
+  "num_blocks": _Field(_int(1), 2048, help="usable blocks"),
+  "max_num_seqs": _Field(_int(1), 64),
+  "max_num_batched_tokens": _Field(_int(1), 2048),
+  "max_model_len": _Field(_int(1), 4096),
+  "chunked_prefill": _Field(_bool, True),
+  "clock": _Field(_choice(lambda: ("steps", "roofline")), "steps"),
+  "step_time_ms": _Field(_optional(_float(0.0, open_low=True)), None),
+  "model": _Field(_optional(_choice(_models)), None),
+  "hardware": _Field(_optional(_choice(_hardware)), None),
+  "arrivals": _Field(_choice(lambda: ("zero", "trace", "poisson")), "zero"),
+  "rate": _Field(_optional(_float(0.0, open_low=True)), None),
+  "seed": _Field(_int(0), 0),
+}
+"""Fields of a simulate point (:func:`prefixjax.serving.simulate`)."""
+
+_FIELDS = {"replay": REPLAY_FIELDS, "simulate": SIMULATE_FIELDS}
+_TOP = ("sweep", "workloads", "replay", "simulate", "points", "full")
+_SWEEP_KEYS = ("name", "description", "vectorize")
+_WORKLOAD_KEYS = ("generator", "requests", "seed", "params", "trace")
+_TRACE_KEYS = ("trace", "format", "limit")
+_NOT_YET = {"router": "routing is not implemented yet (issue 16)"}
+
+
+def _unknown(where: str, key: str, known: Sequence[str]):
+  if key in _NOT_YET:
+    _fail(f"{where}.{key}", _NOT_YET[key])
+  near = difflib.get_close_matches(key, known, n=1)
+  hint = f"; did you mean {near[0]!r}?" if near else ""
+  _fail(
+    f"{where}.{key}",
+    f"unknown field (known: {', '.join(known)}){hint}",
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadSpec:
+  """One workload of a spec: a generator's or a trace file's.
+
+  Attributes:
+    name: its key under ``[workloads]``.
+    generator: a :func:`prefixjax.workloads.workload_kinds` kind, or None.
+    requests, seed, params: the generator's arguments.
+    trace: the trace file (resolved against the spec's folder), or None.
+    format, limit: :func:`prefixjax.workloads.load_trace`'s.
+  """
+
+  name: str
+  generator: str | None = None
+  requests: int = 0
+  seed: int = 0
+  params: tuple[tuple[str, Any], ...] = ()
+  trace: str | None = None
+  format: str = "auto"
+  limit: int | None = None
+
+  def identity(self) -> dict[str, Any]:
+    """What a result depends on (the name only labels it)."""
+    d = dataclasses.asdict(self)
+    d.pop("name")
+    d["params"] = dict(self.params)
+    return d
+
+  def missing(self) -> str | None:
+    """Why the workload cannot be read (an absent trace file), or None."""
+    if self.trace is not None and not pathlib.Path(self.trace).is_file():
+      return f"trace file {self.trace} is absent"
+    return None
+
+  def load(self):
+    """The :class:`prefixjax.workloads.Trace`."""
+    from prefixjax import workloads
+
+    if self.trace is not None:
+      return workloads.load_trace(self.trace, self.format, limit=self.limit)
+    return workloads.generate_workload(
+      self.generator,
+      num_requests=self.requests,
+      seed=self.seed,
+      **dict(self.params),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+  """One point of a sweep: a mode, a workload and the mode's fields.
+
+  Attributes:
+    index: position in the expanded spec (rows keep this order).
+    mode: ``"replay"`` or ``"simulate"``.
+    workload: the :class:`WorkloadSpec`.
+    params: every field of the mode (defaults filled in), sorted by name.
+  """
+
+  index: int
+  mode: str
+  workload: WorkloadSpec
+  params: tuple[tuple[str, Any], ...]
+
+  def get(self, name: str) -> Any:
+    return dict(self.params)[name]
+
+  @property
+  def key(self) -> str:
+    """A stable id of what the point computes (not of its index)."""
+    blob = json.dumps(
+      {
+        "mode": self.mode,
+        "workload": self.workload.identity(),
+        "params": dict(self.params),
+      },
+      sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepSpec:
+  """A parsed, validated, expanded spec.
+
+  Attributes:
+    name, description: from ``[sweep]``.
+    path: the file (None when parsed from a mapping).
+    workloads: by name.
+    points: every point, grids first (replay, then simulate), then the
+      explicit points.
+    left_out: ``(semantics, policy)`` pairs of the replay grid that the
+      semantics does not serve, with how many points each left out.
+    vectorize: ``[sweep] vectorize``: True, False or None (automatic: see
+      :func:`prefixjax.serving.simulate_batch`).
+    full: whether ``[full]`` was applied.
+  """
+
+  name: str
+  description: str
+  path: str | None
+  workloads: dict[str, WorkloadSpec]
+  points: tuple[Point, ...]
+  left_out: tuple[tuple[str, str, int], ...] = ()
+  vectorize: bool | None = None
+  full: bool = False
+
+  def fingerprint(self) -> str:
+    """Hash of everything the results depend on, in order."""
+    blob = json.dumps([p.key for p in self.points])
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+  def describe(self) -> dict[str, Any]:
+    """A JSON-able summary (written beside the results)."""
+    return {
+      "name": self.name,
+      "description": self.description,
+      "spec": self.path,
+      "full": self.full,
+      "fingerprint": self.fingerprint(),
+      "workloads": {n: w.identity() for n, w in sorted(self.workloads.items())},
+      "points": [
+        {
+          "index": p.index,
+          "key": p.key,
+          "mode": p.mode,
+          "workload": p.workload.name,
+          **dict(p.params),
+        }
+        for p in self.points
+      ],
+    }
+
+
+def load_spec(path, *, full: bool = False) -> SweepSpec:
+  """Reads, validates and expands the spec file at ``path``.
+
+  Args:
+    path: a TOML file.
+    full: apply its ``[full]`` table (the accelerator scale).
+
+  Raises:
+    SpecError: an unreadable file, bad TOML (with its line), or a broken
+      rule (file, field, rule).
+  """
+  p = pathlib.Path(path)
+  if not p.is_file():
+    raise SpecError(f"{p}: no such spec file")
+  try:
+    data = tomllib.loads(p.read_text(encoding="utf-8"))
+  except tomllib.TOMLDecodeError as err:
+    raise SpecError(f"{p}: not valid TOML: {err}") from None
+  except UnicodeDecodeError as err:
+    raise SpecError(f"{p}: not UTF-8 text: {err}") from None
+  return parse_spec(data, source=str(p), full=full)
+
+
+def _merge(base: dict, over: Mapping, where: str) -> dict:
+  out = dict(base)
+  for k, v in over.items():
+    if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+      out[k] = _merge(out[k], v, f"{where}.{k}")
+    else:
+      out[k] = v
+  return out
+
+
+def parse_spec(
+  data: Mapping[str, Any], *, source: str | None = None, full: bool = False
+) -> SweepSpec:
+  """Validates and expands a spec already read into a mapping.
+
+  ``source`` names the file in errors and anchors relative trace paths
+  (default: the working directory).
+  """
+  label = source or "<spec>"
+  base = pathlib.Path(source).parent if source else pathlib.Path(".")
+  if not isinstance(data, Mapping):
+    raise SpecError(f"{label}: a spec is a table of tables")
+  for k in data:
+    if k not in _TOP:
+      try:
+        _unknown(label, k, _TOP)
+      except SpecError as err:
+        msg = str(err).replace(f"{label}.", f"{label}: ", 1)
+        raise SpecError(msg) from None
+  full_table = data.get("full", {})
+  if not isinstance(full_table, Mapping):
+    raise SpecError(f"{label}: full: must be a table")
+  if full:
+    for k in full_table:
+      if k not in _TOP or k in ("full", "points"):
+        raise SpecError(
+          f"{label}: full.{k}: [full] may change sweep, workloads, replay "
+          "or simulate"
+        )
+    data = _merge(dict(data), full_table, "full")
+  sweep = _table(data, "sweep", label)
+  for k in sweep:
+    if k not in _SWEEP_KEYS:
+      _unknown(f"{label}: sweep", k, _SWEEP_KEYS)
+  name = sweep.get("name", pathlib.Path(source).stem if source else "sweep")
+  description = sweep.get("description", "")
+  for key, v in (("name", name), ("description", description)):
+    if not isinstance(v, str):
+      raise SpecError(f"{label}: sweep.{key}: must be a string, got {v!r}")
+  vectorize = sweep.get("vectorize", "auto")
+  if vectorize not in (True, False, "auto"):
+    raise SpecError(
+      f'{label}: sweep.vectorize: must be true, false or "auto", got '
+      f"{vectorize!r}"
+    )
+  workloads = _workloads(_table(data, "workloads", label), label, base)
+  modes = [m for m in MODES if m in data]
+  explicit = data.get("points", [])
+  if not isinstance(explicit, list):
+    raise SpecError(f"{label}: points: must be an array of tables [[points]]")
+  if not modes and not explicit:
+    raise SpecError(
+      f"{label}: nothing to run: add a [replay] or [simulate] table or "
+      "[[points]]"
+    )
+  points: list[tuple[str, WorkloadSpec, dict]] = []
+  left_out: dict[tuple[str, str], int] = {}
+  for mode in modes:
+    section = _table(data, mode, label)
+    grid = _grid(section, mode, label, workloads)
+    points += _expand(grid, mode, label, workloads, left_out)
+  for i, point in enumerate(explicit):
+    where = f"{label}: points[{i}]"
+    if not isinstance(point, Mapping):
+      raise SpecError(f"{where}: must be a table")
+    mode = point.get("mode")
+    if mode not in MODES:
+      raise SpecError(f"{where}.mode: must be one of {', '.join(MODES)}")
+    section = data.get(mode, {})
+    grid = _grid(section, mode, label, workloads) if section else {}
+    fields = _FIELDS[mode]
+    values = {}
+    for k, v in point.items():
+      if k == "mode":
+        continue
+      if k not in fields:
+        _unknown(where, k, tuple(fields))
+      values[k] = [_check(fields, k, v, f"{where}.{k}", workloads)]
+    for k, vs in grid.items():
+      if k in values:
+        continue
+      if len(vs) > 1:
+        raise SpecError(
+          f"{where}.{k}: [{mode}] lists {len(vs)} values; an explicit point "
+          "must set it"
+        )
+      values[k] = vs
+    if "workload" not in values:
+      if len(workloads) > 1:
+        raise SpecError(
+          f"{where}.workload: the spec has {len(workloads)} workloads; name one"
+        )
+      values["workload"] = list(workloads)
+    for k, f in fields.items():
+      if k not in values:
+        if f.required:
+          raise SpecError(f"{where}.{k}: required")
+        values[k] = [f.default]
+    got = _expand(values, mode, where, workloads, {}, strict=True)
+    points += got
+  expanded = tuple(
+    Point(
+      index=i,
+      mode=mode,
+      workload=w,
+      params=tuple(sorted(params.items())),
+    )
+    for i, (mode, w, params) in enumerate(points)
+  )
+  keys = {}
+  for p in expanded:
+    if p.key in keys:
+      raise SpecError(
+        f"{label}: point {p.index} repeats point {keys[p.key]} (same mode, "
+        "workload and fields)"
+      )
+    keys[p.key] = p.index
+  return SweepSpec(
+    name=name,
+    description=description,
+    path=source,
+    workloads=workloads,
+    points=expanded,
+    left_out=tuple((s, p, n) for (s, p), n in left_out.items()),
+    vectorize=None if vectorize == "auto" else vectorize,
+    full=full,
+  )
+
+
+def _table(data, key, label) -> Mapping:
+  v = data.get(key, {})
+  if not isinstance(v, Mapping):
+    raise SpecError(f"{label}: {key}: must be a table [{key}]")
+  return v
+
+
+def _workloads(table, label, base) -> dict[str, WorkloadSpec]:
+  if not table:
+    return {
+      "default": WorkloadSpec(
+        name="default", generator="default", requests=300, seed=0
+      )
+    }
+  out = {}
+  for name, w in table.items():
+    where = f"{label}: workloads.{name}"
+    if not isinstance(w, Mapping):
+      raise SpecError(f"{where}: must be a table [workloads.{name}]")
+    if "trace" in w:
+      for k in w:
+        if k not in _TRACE_KEYS:
+          _unknown(where, k, _TRACE_KEYS)
+      trace = w["trace"]
+      if not isinstance(trace, str) or not trace:
+        raise SpecError(f"{where}.trace: must be a file path")
+      fmt = w.get("format", "auto")
+      formats = ("auto", "mooncake", "tokens", "csv")
+      if fmt not in formats:
+        raise SpecError(
+          f"{where}.format: {fmt!r} is not one of {', '.join(formats)}"
+        )
+      limit = w.get("limit")
+      if limit is not None:
+        _int(1)(f"{where}.limit", limit)
+      path = pathlib.Path(trace).expanduser()
+      if not path.is_absolute():
+        path = (base / path).resolve()
+      out[name] = WorkloadSpec(
+        name=name, trace=str(path), format=fmt, limit=limit
+      )
+      continue
+    for k in w:
+      if k not in _WORKLOAD_KEYS:
+        _unknown(where, k, _WORKLOAD_KEYS)
+    gen = _choice(_workload_kinds)(
+      f"{where}.generator", w.get("generator", "default")
+    )
+    requests = _int(1)(f"{where}.requests", w.get("requests", 300))
+    seed = _int(0)(f"{where}.seed", w.get("seed", 0))
+    params = w.get("params", {})
+    if not isinstance(params, Mapping):
+      raise SpecError(f"{where}.params: must be a table")
+    spec = WorkloadSpec(
+      name=name,
+      generator=gen,
+      requests=requests,
+      seed=seed,
+      params=tuple(sorted(params.items())),
+    )
+    try:  # the generator validates its parameters; a tiny draw checks them
+      from prefixjax import workloads as wl
+
+      wl.generate_workload(gen, num_requests=1, seed=seed, **dict(params))
+    except (TypeError, ValueError) as err:
+      raise SpecError(f"{where}.params: {err}") from None
+    out[name] = spec
+  return out
+
+
+def _check(fields, k, v, where, workloads):
+  if k == "workload":
+    if not isinstance(v, str) or v not in workloads:
+      raise SpecError(
+        f"{where}: {v!r} is not a workload of the spec ({', '.join(workloads)})"
+      )
+    return v
+  return fields[k].check(where, v)
+
+
+def _grid(section, mode, label, workloads) -> dict[str, list]:
+  if not isinstance(section, Mapping):
+    raise SpecError(f"{label}: {mode}: must be a table [{mode}]")
+  fields = _FIELDS[mode]
+  grid = {}
+  for k, v in section.items():
+    if k not in fields:
+      _unknown(f"{label}: {mode}", k, tuple(fields))
+    vs = v if isinstance(v, list) else [v]
+    if not vs:
+      raise SpecError(f"{label}: {mode}.{k}: an empty list")
+    where = f"{label}: {mode}.{k}"
+    grid[k] = [
+      _check(
+        fields,
+        k,
+        x,
+        f"{where}[{i}]" if isinstance(v, list) else where,
+        workloads,
+      )
+      for i, x in enumerate(vs)
+    ]
+    if len(set(map(repr, grid[k]))) != len(grid[k]):
+      raise SpecError(f"{where}: lists a value twice")
+  if "workload" not in grid:  # outermost unless written
+    grid = {"workload": list(workloads), **grid}
+  for k, f in fields.items():
+    if k not in grid:
+      if f.required:
+        raise SpecError(f"{label}: {mode}.{k}: required")
+      grid[k] = [f.default]
+  return grid
+
+
+def _expand(grid, mode, where, workloads, left_out, *, strict=False):
+  names = list(grid)
+  out = []
+  served_any: set[str] = set()
+  for combo in itertools.product(*(grid[n] for n in names)):
+    params = dict(zip(names, combo, strict=True))
+    if mode == "replay":
+      from prefixjax.replay import REPLAY_POLICIES, SEMANTICS_POLICY
+
+      sem, policy = params["semantics"], params["policy"]
+      serves = (
+        REPLAY_POLICIES if sem == "kvcache-sim" else (SEMANTICS_POLICY[sem],)
+      )
+      if policy is None:
+        params["policy"] = policy = (
+          "lru_leaf" if sem == "kvcache-sim" else serves[0]
+        )
+      if policy not in serves:
+        if strict:
+          raise SpecError(
+            f"{where}.policy: semantics {sem} serves {', '.join(serves)}, "
+            f"not {policy}"
+          )
+        left_out[(sem, policy)] = left_out.get((sem, policy), 0) + 1
+        continue
+      served_any.add(policy)
+      tokens = params["capacity_tokens"]
+      if (params["capacity"] is None) == (tokens is None):
+        raise SpecError(
+          f"{where}: replay: set one of capacity (blocks) and capacity_tokens"
+        )
+      if tokens is not None:
+        params["capacity"] = tokens // params["block_size"]
+        if params["capacity"] < 1:
+          raise SpecError(
+            f"{where}: replay.capacity_tokens={tokens} holds no block of "
+            f"block_size={params['block_size']}"
+          )
+    else:
+      _check_simulate(params, where)
+    w = workloads[params.pop("workload")]
+    out.append((mode, w, params))
+  if mode == "replay" and not strict:
+    for policy in grid["policy"]:
+      if policy is not None and policy not in served_any:
+        raise SpecError(
+          f"{where}: replay.policy: no listed semantics serves {policy}"
+        )
+  return out
+
+
+def _check_simulate(params, where):
+  """The simulate rules that join fields (ServingConfig and the clock)."""
+  from prefixjax.serving import ServingConfig
+
+  try:
+    ServingConfig(
+      num_gpu_blocks=params["num_blocks"] + 1,
+      block_size=params["block_size"],
+      max_num_seqs=params["max_num_seqs"],
+      max_num_batched_tokens=params["max_num_batched_tokens"],
+      max_model_len=params["max_model_len"],
+      chunked_prefill=params["chunked_prefill"],
+      scheduler=params["scheduler"],
+    )
+  except ValueError as err:
+    msg = str(err).removeprefix("ServingConfig.")
+    msg = msg.replace("num_gpu_blocks=", "num_blocks+1=", 1)
+    raise SpecError(f"{where}: simulate: {msg}") from None
+  shown = {k: v for k, v in params.items() if k != "workload"}
+  if params["clock"] == "steps":
+    if params["arrivals"] != "zero" and params["step_time_ms"] is None:
+      raise SpecError(
+        f"{where}: simulate.arrivals={params['arrivals']} with clock=steps "
+        f"needs step_time_ms (point {shown})"
+      )
+    for k in ("model", "hardware"):
+      if params[k] is not None:
+        raise SpecError(f"{where}: simulate.{k}: is for clock=roofline")
+  else:
+    if params["step_time_ms"] is not None:
+      raise SpecError(
+        f"{where}: simulate.step_time_ms: is for clock=steps, not roofline"
+      )
+    params["model"] = params["model"] or "llama3_8b"
+    params["hardware"] = params["hardware"] or "h100"
+  if params["arrivals"] == "poisson" and params["rate"] is None:
+    raise SpecError(f"{where}: simulate.arrivals=poisson needs rate")
+  if params["rate"] is not None and params["arrivals"] != "poisson":
+    raise SpecError(
+      f"{where}: simulate.rate: is for arrivals=poisson, not "
+      f"{params['arrivals']}"
+    )

@@ -1,0 +1,458 @@
+"""The sweep runner: specs, grids, rows equal to the direct calls, resume.
+
+References: the grid is checked against ``itertools.product`` written out
+here; every row against :func:`prefixjax.replay.replay` /
+:func:`prefixjax.serving.simulate` called for that point alone; a resumed
+run against a clean one.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from prefixjax import replay as rp
+from prefixjax import workloads
+from prefixjax.cli import main
+from prefixjax.serving import ServingConfig, simulate
+from prefixjax.sweep import (
+  SpecError,
+  SweepError,
+  load_spec,
+  parse_spec,
+  run_sweep,
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _write(tmp_path, text, name="spec.toml"):
+  path = tmp_path / name
+  path.write_text(text)
+  return path
+
+
+def test_grid_is_the_product_in_field_order(rng):
+  values = {
+    "policy": ["fifo", "lru_leaf", "belady_leaf"],
+    "block_size": [4, 8, 16, 32],
+    "capacity": [5, 9, 17, 33, 65],
+    "warmup_fraction": [0.0, 0.25, 0.5],
+  }
+  names = list(rng.permutation(list(values)))
+  grid = {}
+  for n in names:
+    k = int(rng.integers(1, len(values[n]) + 1))
+    picked = list(rng.choice(values[n], size=k, replace=False))
+    grid[n] = [x.item() if hasattr(x, "item") else x for x in picked]
+  spec = parse_spec(
+    {
+      "workloads": {"w": {"generator": "system_prompt", "requests": 5}},
+      "replay": grid,
+    }
+  )
+  want = [
+    dict(zip(names, combo, strict=True))
+    for combo in itertools.product(*(grid[n] for n in names))
+  ]
+  got = [{n: p.get(n) for n in names} for p in spec.points]
+  assert got == want
+  assert [p.index for p in spec.points] == list(range(len(want)))
+  assert len({p.key for p in spec.points}) == len(want)
+
+
+def test_policies_a_semantics_does_not_serve_are_left_out():
+  spec = parse_spec(
+    {
+      "replay": {
+        "semantics": ["kvcache-sim", "vllm", "sglang"],
+        "policy": ["fifo", "lru", "lru_leaf"],
+        "capacity": 8,
+      }
+    }
+  )
+  pairs = [(p.get("semantics"), p.get("policy")) for p in spec.points]
+  assert pairs == [
+    ("kvcache-sim", "fifo"),
+    ("kvcache-sim", "lru_leaf"),
+    ("vllm", "lru"),
+    ("sglang", "lru_leaf"),
+  ]
+  assert sorted(spec.left_out) == sorted(
+    [
+      ("kvcache-sim", "lru", 1),
+      ("vllm", "fifo", 1),
+      ("vllm", "lru_leaf", 1),
+      ("sglang", "fifo", 1),
+      ("sglang", "lru", 1),
+    ]
+  )
+
+
+_BAD = [
+  ("[replay]\ncapacity = 0\n", "replay.capacity", ">= 1"),
+  ("[replay]\ncapacity = [8, 8]\n", "replay.capacity", "twice"),
+  ("[replay]\ncapacity = [8, 'x']\n", "replay.capacity[1]", "integer"),
+  ("[replay]\ncapasity = 8\n", "replay.capasity", "did you mean 'capacity'"),
+  ("[replay]\nblock_size = 16\n", "replay", "capacity"),
+  ("[replay]\ncapacity = 8\npolicy = 'lru'\n", "replay.policy", "lru"),
+  ("[replay]\ncapacity = 8\nwarmup_fraction = 1.0\n", "warmup", "< 1.0"),
+  (
+    "[simulate]\nscheduler = 'sjf'\n",
+    "simulate.scheduler",
+    "not one of",
+  ),
+  (
+    "[simulate]\nnum_blocks = 10\n",
+    "simulate",
+    "max_model_len=4096 needs 256 blocks",
+  ),
+  (
+    "[simulate]\narrivals = 'poisson'\n",
+    "simulate",
+    "needs step_time_ms",
+  ),
+  (
+    "[simulate]\nclock = 'roofline'\narrivals = 'poisson'\n",
+    "simulate",
+    "needs rate",
+  ),
+  ("[simulate]\nmodel = 'llama3_8b'\n", "simulate.model", "roofline"),
+  ("[simulate]\nrouter = 'cache_aware'\n", "simulate.router", "issue 16"),
+  ("[sweep]\nname = 3\n", "sweep.name", "string"),
+  ("[sweeps]\n", "sweeps", "unknown"),
+  ("", "nothing to run", "[replay]"),
+  ("[replay\n", "not valid TOML", "line 1"),
+  (
+    "[workloads.w]\ngenerator = 'nope'\n[replay]\ncapacity = 8\n",
+    "workloads.w.generator",
+    "not one of",
+  ),
+  (
+    "[workloads.w]\nrequests = 0\n[replay]\ncapacity = 8\n",
+    "workloads.w.requests",
+    ">= 1",
+  ),
+  (
+    "[workloads.w]\nparams = { shared_fraction = 7 }\n[replay]\ncapacity = 8\n",
+    "workloads.w.params",
+    "",
+  ),
+  (
+    "[replay]\ncapacity = 8\nworkload = 'other'\n",
+    "replay.workload",
+    "not a workload",
+  ),
+  (
+    "[replay]\ncapacity = [8, 16]\n[[points]]\nmode = 'replay'\n",
+    "points[0].capacity",
+    "must set it",
+  ),
+  ("[[points]]\nmode = 'serve'\n", "points[0].mode", "replay, simulate"),
+  (
+    "[replay]\ncapacity = 8\n[[points]]\nmode = 'replay'\n",
+    "repeats point 0",
+    "",
+  ),
+  (
+    "[replay]\ncapacity = 8\ncapacity_tokens = 64\n",
+    "replay",
+    "one of capacity",
+  ),
+]
+
+
+@pytest.mark.parametrize(("text", "field", "rule"), _BAD)
+def test_bad_specs_name_the_file_the_field_and_the_rule(
+  tmp_path, text, field, rule
+):
+  path = _write(tmp_path, text)
+  with pytest.raises(SpecError) as err:
+    load_spec(path)
+  message = str(err.value)
+  assert message.startswith(str(path)), message
+  assert field in message and rule in message, message
+
+
+def test_full_table_changes_only_what_it_names(tmp_path):
+  path = _write(
+    tmp_path,
+    "[workloads.w]\nrequests = 10\n[replay]\ncapacity = [4, 8]\n"
+    "[full]\nworkloads.w.requests = 99\nreplay.capacity = [16, 32, 64]\n",
+  )
+  small, full = load_spec(path), load_spec(path, full=True)
+  assert [p.get("capacity") for p in small.points] == [4, 8]
+  assert [p.get("capacity") for p in full.points] == [16, 32, 64]
+  assert small.workloads["w"].requests == 10
+  assert full.workloads["w"].requests == 99
+  assert small.fingerprint() != full.fingerprint()
+
+
+def _small_spec(rng, tmp_path, *, simulate_points=True):
+  seed = int(rng.integers(0, 1000))
+  caps = sorted(rng.choice(np.arange(8, 80), size=3, replace=False).tolist())
+  text = f"""
+[workloads.w]
+generator = "system_prompt"
+requests = {int(rng.integers(30, 60))}
+seed = {seed}
+
+[replay]
+policy = ["fifo", "lru_leaf"]
+block_size = [8, 16]
+capacity = {caps}
+warmup_fraction = 0.5
+"""
+  if simulate_points:
+    text += f"""
+[simulate]
+scheduler = ["fcfs", "lpm"]
+block_size = 8
+num_blocks = {int(rng.integers(130, 400))}
+max_num_seqs = 4
+max_num_batched_tokens = 256
+max_model_len = 1024
+arrivals = "poisson"
+step_time_ms = 10.0
+rate = [{float(rng.uniform(5, 50)):.3f}]
+seed = [0, {int(rng.integers(1, 100))}]
+"""
+  return _write(tmp_path, text)
+
+
+def test_rows_equal_each_point_run_alone(rng, tmp_path):
+  path = _small_spec(rng, tmp_path)
+  spec = load_spec(path)
+  result = run_sweep(spec, tmp_path / "out", plots=False)
+  assert len(result.rows) == len(spec.points) == 16
+  trace = spec.workloads["w"].load()
+  for row, point in zip(result.rows, spec.points, strict=True):
+    assert row["index"] == point.index and row["key"] == point.key
+    if point.mode == "replay":
+      (alone,) = rp.replay(
+        trace,
+        policy=row["policy"],
+        capacities=[row["capacity"]],
+        block_size=row["block_size"],
+        warmup_fraction=0.5,
+      )
+      assert row["hit_tokens"] == alone.hit_tokens
+      assert row["hit_rate"] == pytest.approx(alone.hit_rate)
+      n = trace.input_lengths + trace.output_lengths
+      k = row["block_size"]
+      slots = -(-n // k) * k
+      want = (slots - n).sum() / slots.sum()
+      assert row["internal_fragmentation"] == pytest.approx(want)
+    else:
+      config = ServingConfig(
+        num_gpu_blocks=row["num_blocks"] + 1,
+        block_size=8,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        max_model_len=1024,
+        scheduler=row["scheduler"],
+      )
+      alone = simulate(
+        trace,
+        config,
+        arrivals="poisson",
+        rate=row["rate"],
+        seed=row["seed"],
+        step_time_ms=10.0,
+      ).metrics()
+      for key in ("steps", "hit_tokens", "preemptions", "ttft_s_p99"):
+        assert row[key] == pytest.approx(alone[key]), key
+  text = (tmp_path / "out" / "results.csv").read_text()
+  rows = list(csv.DictReader(text.splitlines()))
+  assert any(r["hit_tokens"] > 0 for r in result.rows if r["mode"] == "replay")
+  assert [int(r["index"]) for r in rows] == list(range(16))
+  assert [int(r["hit_tokens"]) for r in rows] == [
+    r["hit_tokens"] for r in result.rows
+  ]
+  assert json.loads((tmp_path / "out" / "results.json").read_text()) == list(
+    result.rows
+  )
+  frame = result.frame()
+  assert list(frame["hit_tokens"]) == [r["hit_tokens"] for r in result.rows]
+
+
+def test_a_changed_spec_is_refused_and_the_same_one_reused(rng, tmp_path):
+  path = _small_spec(rng, tmp_path, simulate_points=False)
+  out = tmp_path / "out"
+  first = run_sweep(path, out, plots=False)
+  again = run_sweep(path, out, plots=False)
+  assert again.reused == len(first.rows) == 12 and again.timing == ()
+  assert again.rows == first.rows
+  path.write_text(path.read_text().replace("fifo", "belady_leaf"))
+  with pytest.raises(SweepError, match="different spec"):
+    run_sweep(path, out, plots=False)
+  assert sorted(p.name for p in (out / "points").iterdir()) == sorted(
+    f"{r['key']}.json" for r in first.rows
+  )
+
+
+def test_an_absent_trace_skips_its_points_with_the_reason(tmp_path):
+  path = _write(
+    tmp_path,
+    "[workloads.gone]\ntrace = 'no/such/trace.jsonl'\n"
+    "[workloads.here]\ngenerator = 'system_prompt'\nrequests = 20\n"
+    "[replay]\ncapacity = [8, 16]\nwarmup_fraction = 0.0\n",
+  )
+  said = []
+  result = run_sweep(path, tmp_path / "out", plots=False, log=said.append)
+  assert [r["workload"] for r in result.rows] == ["here", "here"]
+  assert [i for i, _ in result.skipped] == [0, 1]
+  absent = str(tmp_path / "no/such/trace.jsonl")
+  assert all(absent in why for _, why in result.skipped)
+  assert any(absent in s for s in said)
+
+
+def test_sharded_over_devices_gives_the_rows_of_one(rng, tmp_path):
+  """The simulate group vmapped with its configurations' axis sharded over
+  the 8 faked CPU devices (tests/conftest.py sets
+  ``--xla_force_host_platform_device_count=8`` before jax is imported),
+  against the same group one configuration at a time on one device."""
+  assert len(jax.local_devices()) == 8
+  text = f"""
+[sweep]
+vectorize = true
+[workloads.w]
+generator = "system_prompt"
+requests = 16
+seed = {int(rng.integers(0, 1000))}
+[simulate]
+block_size = 8
+num_blocks = 129
+max_num_seqs = 4
+max_num_batched_tokens = [128, 256]
+max_model_len = 1024
+seed = {sorted(int(s) for s in rng.choice(100, size=2, replace=False))}
+arrivals = "poisson"
+step_time_ms = 5.0
+rate = 40.0
+"""
+  spec = load_spec(_write(tmp_path, text))
+  assert len(spec.points) == 4
+  sharded = run_sweep(spec, plots=False)
+  serial = run_sweep(
+    parse_spec(
+      {**_toml(text), "sweep": {"vectorize": False}},
+    ),
+    plots=False,
+    devices=jax.local_devices()[:1],
+  )
+  assert sharded.rows == serial.rows
+
+
+def _toml(text):
+  import tomllib
+
+  return tomllib.loads(text)
+
+
+def _sweep_argv(path, out):
+  return [
+    sys.executable,
+    "-m",
+    "prefixjax",
+    "sweep",
+    str(path),
+    "--out",
+    str(out),
+    "--no-plots",
+    "--no-compile-cache",
+  ]
+
+
+def test_killed_at_any_moment_a_rerun_ends_with_the_clean_rows(rng, tmp_path):
+  path = _small_spec(rng, tmp_path, simulate_points=False)
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  start = time.monotonic()
+  subprocess.run(
+    _sweep_argv(path, tmp_path / "clean"),
+    check=True,
+    capture_output=True,
+    env=env,
+  )
+  took = time.monotonic() - start
+  killed = tmp_path / "killed"
+  proc = subprocess.Popen(
+    _sweep_argv(path, killed),
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+    env=env,
+  )
+  time.sleep(float(rng.uniform(0.2, 1.0)) * took)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  partial = (
+    len(list((killed / "points").glob("*.json"))) if killed.exists() else 0
+  )
+  print(f"killed after {partial} points")
+  done = subprocess.run(
+    _sweep_argv(path, killed), check=True, capture_output=True, env=env
+  )
+  assert "points" in done.stdout.decode()
+  clean = (tmp_path / "clean" / "results.csv").read_text()
+  assert (killed / "results.csv").read_text() == clean
+  assert json.loads((killed / "results.json").read_text()) == json.loads(
+    (tmp_path / "clean" / "results.json").read_text()
+  )
+  assert not [p for p in (killed / "points").iterdir() if p.name[0] == "."]
+
+
+def test_cli_prints_the_table_and_where_the_files_are(tmp_path, capsys):
+  path = _write(
+    tmp_path,
+    "[workloads.w]\ngenerator = 'system_prompt'\nrequests = 30\n"
+    "[replay]\npolicy = ['fifo', 'belady_leaf']\ncapacity = [8, 32, 64]\n",
+  )
+  out = tmp_path / "out"
+  assert main(["sweep", str(path), "--out", str(out)]) == 0
+  text = capsys.readouterr().out
+  assert "belady_leaf" in text and str(out / "results.csv") in text
+  pngs = sorted((out / "plots").glob("*.png"))
+  assert [p.name for p in pngs] == ["hit_rate_w_kvcache-sim_k16.png"]
+  assert pngs[0].stat().st_size > 10_000
+  assert pngs[0].with_suffix(".pdf").read_bytes()[:4] == b"%PDF"
+  assert main(["sweep", str(path), "--list"]) == 0
+  listing = capsys.readouterr().out
+  assert listing.count("[") >= 6 and "group of 3" in listing
+
+
+def test_cli_refuses_a_bad_spec_before_any_work(tmp_path, capsys):
+  path = _write(tmp_path, "[replay]\ncapacity = -1\n")
+  out = tmp_path / "out"
+  assert main(["sweep", str(path), "--out", str(out)]) == 2
+  err = capsys.readouterr().err
+  assert f"{path}: replay.capacity: must be >= 1" in err
+  assert not out.exists()
+
+
+@pytest.mark.parametrize(
+  "name",
+  sorted(p.stem for p in (ROOT / "experiments").glob("*.toml")),
+)
+def test_shipped_experiments_are_valid_specs(name):
+  path = ROOT / "experiments" / f"{name}.toml"
+  for full in (False, True):
+    spec = load_spec(path, full=full)
+    assert spec.points and spec.name == name
+
+
+def test_quickstart_workload_is_the_built_in_generator():
+  spec = load_spec(ROOT / "experiments" / "quickstart.toml")
+  trace = spec.workloads["mixed"].load()
+  again = workloads.generate_workload("default", num_requests=400, seed=0)
+  assert np.array_equal(trace.input_lengths, again.input_lengths)
