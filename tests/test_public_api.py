@@ -41,6 +41,7 @@ def test_all_is_sorted_and_resolves():
     "prefixjax.replay.sglang",
     "prefixjax.workloads.synthetic",
     "prefixjax.workloads.trace",
+    "prefixjax.sweep",
   ],
 )
 def test_docstring_examples_run(module):
