@@ -456,3 +456,57 @@ def test_quickstart_workload_is_the_built_in_generator():
   trace = spec.workloads["mixed"].load()
   again = workloads.generate_workload("default", num_requests=400, seed=0)
   assert np.array_equal(trace.input_lengths, again.input_lengths)
+
+
+def _free_port() -> int:
+  import socket
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_on_localhost_give_the_rows_of_one(rng, tmp_path):
+  """``--distributed`` with 2 processes (jax.distributed on CPU, one
+  coordinator on localhost) into one DIR, against a single-process run."""
+  path = _small_spec(rng, tmp_path, simulate_points=False)
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  single = tmp_path / "single"
+  subprocess.run(
+    _sweep_argv(path, single), check=True, capture_output=True, env=env
+  )
+  both = tmp_path / "both"
+  port = _free_port()
+  procs = [
+    subprocess.Popen(
+      [
+        *_sweep_argv(path, both),
+        "--distributed",
+        "--coordinator-address",
+        f"127.0.0.1:{port}",
+        "--num-processes",
+        "2",
+        "--process-id",
+        str(i),
+      ],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      env=env,
+    )
+    for i in range(2)
+  ]
+  outs = [p.communicate(timeout=600) for p in procs]
+  for p, (out, err) in zip(procs, outs, strict=True):
+    assert p.returncode == 0, err.decode()[-2000:]
+  assert "process 1 of 2" in outs[1][0].decode()
+  timing = json.loads((both / "timing.json").read_text())
+  ran_by_0 = {i for t in timing for i in t["points"]}
+  assert 0 < len(ran_by_0) < 12  # process 1 ran the rest
+  for name in ("results.csv", "results.json"):
+    assert (both / name).read_text() == (single / name).read_text()
+
+
+def test_distributed_flags_need_distributed(tmp_path, capsys):
+  path = _write(tmp_path, "[replay]\ncapacity = 8\n")
+  assert main(["sweep", str(path), "--process-id", "1"]) == 2
+  assert "--process-id is for --distributed" in capsys.readouterr().err

@@ -6,6 +6,7 @@ arguments and runs it.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 import time
@@ -37,11 +38,68 @@ def configure(p) -> None:
     help="apply the spec's [full] table (the accelerator scale)",
   )
   p.add_argument("--no-plots", action="store_true", help="skip the figures")
+  dist = p.add_argument_group(
+    "multi-host",
+    "run one process per host (or per GPU) with the same arguments: each "
+    "runs its share of the point groups into the shared DIR, process 0 "
+    "gathers the results (jax.distributed; see the README)",
+  )
+  dist.add_argument(
+    "--distributed",
+    action="store_true",
+    help="call jax.distributed.initialize(): with the three flags below, "
+    "or $PREFIXJAX_COORDINATOR_ADDRESS / $PREFIXJAX_NUM_PROCESSES / "
+    "$PREFIXJAX_PROCESS_ID, else JAX's own detection (TPU pods, SLURM, "
+    "Open MPI, $JAX_COORDINATOR_ADDRESS)",
+  )
+  dist.add_argument("--coordinator-address", metavar="HOST:PORT")
+  dist.add_argument("--num-processes", type=int, metavar="N")
+  dist.add_argument("--process-id", type=int, metavar="I")
   p.add_argument(
     "--list",
     action="store_true",
     help="print the expanded points and their groups, run nothing",
   )
+
+
+def _distributed(args) -> tuple[int, int]:
+  """``(process index, process count)``; initializes jax.distributed."""
+  flags = {
+    "coordinator_address": args.coordinator_address,
+    "num_processes": args.num_processes,
+    "process_id": args.process_id,
+  }
+  if not args.distributed:
+    for key, value in flags.items():
+      if value is not None:
+        raise ValueError(f"--{key.replace('_', '-')} is for --distributed")
+    return 0, 1
+  given = dict(flags)
+  for key, env in (
+    ("coordinator_address", "PREFIXJAX_COORDINATOR_ADDRESS"),
+    ("num_processes", "PREFIXJAX_NUM_PROCESSES"),
+    ("process_id", "PREFIXJAX_PROCESS_ID"),
+  ):
+    if given[key] is None and os.environ.get(env):
+      given[key] = os.environ[env]
+      if key != "coordinator_address":
+        try:
+          given[key] = int(given[key])
+        except ValueError:
+          raise ValueError(
+            f"${env}={os.environ[env]!r}: not an integer"
+          ) from None
+  n, i = given["num_processes"], given["process_id"]
+  if n is not None and n < 1:
+    raise ValueError(f"--num-processes {n}: must be >= 1")
+  if i is not None and not (0 <= i < (n if n is not None else 1 << 30)):
+    raise ValueError(f"--process-id {i}: must be in [0, --num-processes)")
+  import jax
+
+  jax.distributed.initialize(
+    **{k: v for k, v in given.items() if v is not None}
+  )
+  return jax.process_index(), jax.process_count()
 
 
 def run(args) -> int:
@@ -58,8 +116,15 @@ def run(args) -> int:
         print(f"  [{p.index}] {fields}")
     return 0
   out = pathlib.Path(args.out or pathlib.Path("results") / spec.name)
+  process = _distributed(args)
   start = time.perf_counter()
-  result = run_sweep(spec, out, plots=not args.no_plots)
+  result = run_sweep(spec, out, plots=not args.no_plots, process=process)
+  if process[0] != 0:
+    print(
+      f"process {process[0]} of {process[1]}: {len(result.rows)} points "
+      f"written to {out / 'points'}; process 0 writes the results"
+    )
+    return 0
   wall = time.perf_counter() - start
   print(result.table())
   ran = len(result.rows) - result.reused

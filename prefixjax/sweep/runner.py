@@ -294,6 +294,8 @@ def run_sweep(
   progress: bool | None = None,
   devices: Sequence[Any] | None = None,
   log: Callable[[str], None] | None = None,
+  process: tuple[int, int] = (0, 1),
+  poll_s: float = 0.5,
 ) -> SweepResult:
   """Runs every point of a spec and writes the results under ``out``.
 
@@ -307,6 +309,17 @@ def run_sweep(
     devices: the devices a vectorized simulate group's points are sharded
       over (default: all local devices).
     log: where to say what is skipped and reused (default: stderr).
+    process: ``(index, count)`` of this process among the processes that
+      share ``out`` (a multi-host run: ``prefixjax sweep --distributed``
+      takes them from :func:`jax.distributed.initialize`). Process ``i``
+      runs the groups ``g`` with ``g % count == i`` (groups in spec order)
+      and writes their point files; process 0 then waits until every
+      point's file is in ``out`` and writes the results and plots, which
+      equal a single-process run's. The other processes return their own
+      rows. A killed process leaves only whole point files: rerun the same
+      command (any process count) to finish. ``timing.json`` then holds
+      process 0's groups only.
+    poll_s: how often process 0 looks for the other processes' points.
 
   Returns:
     A :class:`SweepResult`.
@@ -320,6 +333,11 @@ def run_sweep(
 
   if not isinstance(spec, SweepSpec):
     spec = load_spec(spec, full=full)
+  index, count = process
+  if not (isinstance(count, int) and count >= 1 and 0 <= index < count):
+    raise SweepError(f"process={process!r}: needs 0 <= index < count")
+  if count > 1 and out is None:
+    raise SweepError("a multi-process sweep needs out=DIR (shared)")
   say = log or (lambda m: print(m, file=sys.stderr))
   folder = None
   done: dict[str, dict] = {}
@@ -357,8 +375,10 @@ def run_sweep(
     devices = jax.local_devices()
   todo = [
     g
-    for g in groups(spec)
-    if g[0].workload.name not in missing and any(p.key not in done for p in g)
+    for i, g in enumerate(groups(spec))
+    if i % count == index
+    and g[0].workload.name not in missing
+    and any(p.key not in done for p in g)
   ]
   total = sum(sum(p.key not in done for p in g) for g in todo)
   bar = None
@@ -405,6 +425,22 @@ def run_sweep(
   finally:
     if bar is not None:
       bar.close()
+  if count > 1:
+    needed = {p.key for p in spec.points if p.workload.name not in missing}
+    if index != 0:
+      mine = {p.key for g in todo for p in g}
+      rows = tuple(done[p.key] for p in spec.points if p.key in mine)
+      return SweepResult(spec=spec, rows=rows, out=out, timing=tuple(timing))
+    waited = False
+    while not needed <= done.keys():
+      if not waited:
+        say(
+          f"process 0 of {count}: waiting for "
+          f"{len(needed - done.keys())} points of the other processes"
+        )
+        waited = True
+      time.sleep(poll_s)
+      done.update(_load_done(folder, spec))
   rows = tuple(done[p.key] for p in spec.points if p.key in done)
   skipped = tuple(
     (p.index, missing[p.workload.name])
