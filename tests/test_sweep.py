@@ -496,7 +496,7 @@ def test_two_processes_on_localhost_give_the_rows_of_one(rng, tmp_path):
     for i in range(2)
   ]
   outs = [p.communicate(timeout=600) for p in procs]
-  for p, (out, err) in zip(procs, outs, strict=True):
+  for p, (_out, err) in zip(procs, outs, strict=True):
     assert p.returncode == 0, err.decode()[-2000:]
   assert "process 1 of 2" in outs[1][0].decode()
   timing = json.loads((both / "timing.json").read_text())
