@@ -272,3 +272,50 @@ def test_factories_are_cached_so_jit_compiles_once():
   assert schedulers.lpm() is schedulers.lpm()
   assert schedulers.fair(w_in=1, w_out=2) is schedulers.fair()
   assert hash(schedulers.dfs()) == hash(schedulers.dfs())
+
+
+def test_common_blocks_and_in_batch_holds_equal_plain_loops(rng):
+  """The binary-searched shared prefix and the rounds of the in-batch
+  check against the plain definitions: count of equal chained keys, and
+  SGLang's sequential walk down the queue."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  w, m = int(rng.integers(2, 40)), int(rng.integers(1, 20))
+  # Chained keys over a few shared prefixes: row i follows a random
+  # ancestor for its first d blocks, then its own.
+  keys = np.zeros((w, m, 2), np.uint32)
+  for i in range(w):
+    parent = int(rng.integers(0, i)) if i else -1
+    d = int(rng.integers(0, m + 1)) if parent >= 0 else 0
+    keys[i, :d] = keys[parent, :d]
+    keys[i, d:] = rng.integers(1, 2**32, (m - d, 2), dtype=np.uint32)
+  full = rng.integers(0, m + 1, w).astype(np.int32)
+  got = np.asarray(
+    schedulers.common_blocks(jnp.asarray(keys), jnp.asarray(full))
+  )
+  want = np.zeros((w, w), np.int32)
+  for i in range(w):
+    for j in range(w):
+      n = 0
+      while n < min(full[i], full[j]) and (keys[i, n] == keys[j, n]).all():
+        n += 1
+      want[i, j] = n
+  np.testing.assert_array_equal(got, want)
+
+  small = rng.random(w) < 0.7
+  pos = rng.permutation(w).astype(np.int32)
+  close = want >= int(rng.integers(0, 3))
+  held = np.asarray(
+    schedulers.in_batch_holds(
+      jnp.asarray(small), jnp.asarray(pos), jnp.asarray(close)
+    )
+  )
+  inserted, expect = [], np.zeros(w, bool)
+  for i in np.argsort(pos):
+    if small[i]:
+      if any(close[i, j] for j in inserted):
+        expect[i] = True
+      else:
+        inserted.append(i)
+  np.testing.assert_array_equal(held, expect)

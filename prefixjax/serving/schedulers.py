@@ -211,18 +211,27 @@ def _same_prefix(keys: jax.Array) -> jax.Array:
   return jnp.all(keys[:, None] == keys[None, :], axis=-1)
 
 
-def _common_blocks(keys: jax.Array, full: jax.Array) -> jax.Array:
+def common_blocks(keys: jax.Array, full: jax.Array) -> jax.Array:
   """``[W, W]`` int32 full blocks two rows share from the start.
 
-  Keys are chained (a key names its whole prefix), so the shared prefix is
-  the count of equal keys among the columns both rows have full.
+  Keys are chained (a key names its whole prefix), so two rows that agree
+  in column ``d`` agree in every column before it: the shared prefix is
+  found by a binary search over ``[0, min(full_i, full_j)]``, ``log2(M)``
+  rounds of one ``[W, W]`` comparison (not the ``[W, W, M]`` one).
   """
-  m = keys.shape[1]
-  cols = jnp.arange(m)
-  have = cols[None, :] < full[:, None]  # [W, M]
-  eq = _same_prefix(keys)
-  both = have[:, None] & have[None, :]
-  return jnp.sum((eq & both).astype(jnp.int32), axis=-1)
+  w, m = keys.shape[0], keys.shape[1]
+  rows = jnp.arange(w)
+  lo = jnp.zeros((w, w), jnp.int32)
+  hi = jnp.minimum(full[:, None], full[None, :]).astype(jnp.int32)
+  for _ in range(max(int(m).bit_length(), 1)):
+    mid = (lo + hi + 1) // 2
+    col = jnp.clip(mid - 1, 0, m - 1)
+    a = keys[rows[:, None], col]  # [W, W, 2]: row i's key at mid - 1
+    b = keys[rows[None, :], col]  # row j's
+    ok = (mid >= 1) & jnp.all(a == b, axis=-1)
+    lo = jnp.where(ok & (mid <= hi), mid, lo)
+    hi = jnp.where(ok | (mid > hi), hi, mid - 1)
+  return lo
 
 
 def _ranked(view, rids, valid, sort_keys) -> jax.Array:
@@ -232,6 +241,42 @@ def _ranked(view, rids, valid, sort_keys) -> jax.Array:
   rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
   key = jnp.full(view.queued.shape, _BIG, jnp.int32)
   return scatter(key, rids, rank.astype(jnp.int32), valid)
+
+
+def in_batch_holds(small, pos, close) -> jax.Array:
+  """SGLang's in-batch prefix check: which requests wait this step.
+
+  Walking the queue in ``pos`` order, a ``small`` request (cached prefix
+  at most the check threshold) that is ``close`` (shares at least the
+  deprioritize threshold) to an earlier *inserted* one is held; the other
+  small ones are inserted (``schedule_policy.py _compute_prefix_matches``).
+  Decided in rounds, equal to that sequential walk: a request is held once
+  an earlier close one is inserted, and inserted once no earlier close one
+  is undecided (the earliest undecided one is decided every round).
+
+  Args:
+    small: ``[W]`` bool.
+    pos: ``[W]`` int32 queue positions (distinct where ``small``).
+    close: ``[W, W]`` bool.
+
+  Returns:
+    ``[W]`` bool, the held requests.
+  """
+  conflict = (
+    small[:, None] & small[None, :] & (pos[None, :] < pos[:, None]) & close
+  )
+
+  def open_left(c):
+    return jnp.any(c[0])
+
+  def round_(c):
+    open_, inserted, held = c
+    hold = open_ & jnp.any(conflict & inserted[None, :], axis=1)
+    ready = open_ & ~hold & ~jnp.any(conflict & open_[None, :], axis=1)
+    return open_ & ~hold & ~ready, inserted | ready, held | hold
+
+  false = jnp.zeros(small.shape, jnp.bool_)
+  return jax.lax.while_loop(open_left, round_, (small, false, false))[2]
 
 
 def _lpm_order(
@@ -244,27 +289,13 @@ def _lpm_order(
     k = view.cache.block_size
     pos = gather(view.queue_pos, rids, _BIG)
     full = gather(view.num_tokens, rids, 0) // k
-    shared = _common_blocks(gather(view.keys, rids, 0), full) * k  # tokens
-    by_queue = jnp.argsort(jnp.where(valid, pos, _BIG))
+    shared = common_blocks(gather(view.keys, rids, 0), full) * k  # tokens
 
-    # The in-batch check, in queue order: a request with a small cache hit
-    # that shares enough with an earlier checked one waits this step.
-    def body(j, carry):
-      inserted, dep = carry
-      i = by_queue[j]
-      small = valid[i] & (hit[i] <= check_threshold)
-      common = jnp.max(jnp.where(inserted, shared[i], 0))
-      hold = small & (common >= deprioritize_threshold)
-      return (
-        inserted.at[i].set(small & ~hold),
-        dep.at[i].set(hold),
-      )
-
-    false = jnp.zeros((w,), jnp.bool_)
     if check_threshold >= 0:
-      _, dep = jax.lax.fori_loop(0, w, body, (false, false))
+      small = valid & (hit <= check_threshold)
+      dep = in_batch_holds(small, pos, shared >= deprioritize_threshold)
     else:
-      dep = false
+      dep = jnp.zeros((w,), jnp.bool_)
     primary = jnp.where(dep, _BIG, -hit)
     fallback = view.num_waiting > max_sorted
     lpm_key = _ranked(view, rids, valid, (pos, primary))
