@@ -361,23 +361,6 @@ def _waiting_phase(c, reqs, params, threshold, scheduler):
   """The waiting loop of ``Scheduler.schedule`` (the queue's head first)."""
   st0 = c["st"]
   s = st0.running.shape[0]
-  zeros = jnp.zeros_like(st0.queue_pos)
-  if scheduler.order is not None:
-    # Ordered only when the loop will run (a cond returning the [R] key
-    # alone: the orders cost O(W^2 M) and most steps admit no one).
-    enter = (
-      (~(c["stop"] | (c["num_pre"] > 0)))
-      & (c["budget"] > 0)
-      & (st0.num_waiting > 0)
-      & (st0.num_running < s)
-    )
-    key = jax.lax.cond(
-      enter,
-      lambda: i32(scheduler.order(st0.sched_state, view(st0, reqs))),
-      lambda: zeros,
-    )
-  else:
-    key = zeros
   k = st0.cache.block_size
   m = st0.cache.max_blocks_per_seq
   r_len = st0.waiting.shape[0]
@@ -397,6 +380,14 @@ def _waiting_phase(c, reqs, params, threshold, scheduler):
       & (c["budget"] > 0)
       & (st.num_waiting > 0)
       & (st.num_running < s)
+    )
+
+  key = jnp.zeros_like(st0.queue_pos)
+  if scheduler.order is not None:  # only when the loop runs: O(W^2 M)
+    key = jax.lax.cond(
+      cond(carry0),
+      lambda: i32(scheduler.order(st0.sched_state, view(st0, reqs))),
+      lambda: key,
     )
 
   def body(c):

@@ -389,9 +389,21 @@ def run_sweep(
 
     bar = tqdm(total=total, desc=f"sweep {spec.name}", unit="point")
   timing = []
+  # Where a simulate group's configurations run one after another (a CPU,
+  # unless the spec asks for vmap), each is its own call: the same compiled
+  # program, a point file as soon as it is done, the bar moving per point.
+  serial = spec.vectorize is False or (
+    spec.vectorize is None and jax.default_backend() == "cpu"
+  )
+  pieces = []
+  for g in todo:
+    g = [p for p in g if p.key not in done]
+    if g[0].mode == "simulate" and serial:
+      pieces += [[p] for p in g]
+    else:
+      pieces.append(g)
   try:
-    for g in todo:
-      g = [p for p in g if p.key not in done]
+    for g in pieces:
       trace = traces[g[0].workload.name]
       if g[0].mode == "replay":
         rows, compile_s, run_s = _replay_group(trace, g)
@@ -428,7 +440,7 @@ def run_sweep(
   if count > 1:
     needed = {p.key for p in spec.points if p.workload.name not in missing}
     if index != 0:
-      mine = {p.key for g in todo for p in g}
+      mine = {p.key for g in pieces for p in g}
       rows = tuple(done[p.key] for p in spec.points if p.key in mine)
       return SweepResult(spec=spec, rows=rows, out=out, timing=tuple(timing))
     waited = False
