@@ -42,8 +42,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
+from prefixjax import _struct as struct
 from prefixjax._masked import barrier
 
 __all__ = [

@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
+from prefixjax import _struct as struct
 from prefixjax._masked import NO_BLOCK
 from prefixjax.cache import hashing, paging, victim_tree
 from prefixjax.cache import index as index_lib

@@ -12,8 +12,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
+from prefixjax import _struct as struct
 from prefixjax._masked import NONE, scatter
 from prefixjax.cache import prefix_cache as pc
 from prefixjax.serving import schedulers as sch
