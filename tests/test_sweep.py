@@ -319,11 +319,10 @@ def test_an_absent_trace_skips_its_points_with_the_reason(tmp_path):
 
 
 def test_sharded_over_devices_gives_the_rows_of_one(rng, tmp_path):
-  """The simulate group vmapped with its configurations' axis sharded over
-  the 8 faked CPU devices (tests/conftest.py sets
-  ``--xla_force_host_platform_device_count=8`` before jax is imported),
-  against the same group one configuration at a time on one device."""
-  assert len(jax.local_devices()) == 8
+  """The simulate group vmapped in a subprocess with 8 faked CPU devices
+  (``--xla_force_host_platform_device_count=8`` set before jax is
+  imported), its configurations' axis sharded over them, against the same
+  group one configuration at a time on one device."""
   text = f"""
 [sweep]
 vectorize = true
@@ -342,17 +341,32 @@ arrivals = "poisson"
 step_time_ms = 5.0
 rate = 40.0
 """
-  spec = load_spec(_write(tmp_path, text))
-  assert len(spec.points) == 4
-  sharded = run_sweep(spec, plots=False)
+  path = _write(tmp_path, text)
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  probe = subprocess.run(
+    [sys.executable, "-c", "import jax; print(len(jax.local_devices()))"],
+    check=True,
+    capture_output=True,
+    env=env,
+  )
+  assert probe.stdout.decode().strip() == "8"
+  subprocess.run(
+    _sweep_argv(path, tmp_path / "eight"),
+    check=True,
+    capture_output=True,
+    env=env,
+  )
+  sharded = json.loads((tmp_path / "eight" / "results.json").read_text())
   serial = run_sweep(
     parse_spec(
-      {**_toml(text), "sweep": {"vectorize": False}},
+      {**_toml(text), "sweep": {"vectorize": False}}, source=str(path)
     ),
+    tmp_path / "one",
     plots=False,
     devices=jax.local_devices()[:1],
   )
-  assert sharded.rows == serial.rows
+  assert len(sharded) == 4 and len(serial.rows) == 4
+  assert sharded == json.loads((tmp_path / "one" / "results.json").read_text())
 
 
 def _toml(text):
