@@ -205,12 +205,6 @@ def window_hits(view: WaitingView, size: int) -> tuple[jax.Array, ...]:
   return rids, valid, tokens.astype(jnp.int32), blocks.astype(jnp.int32)
 
 
-def _same_prefix(keys: jax.Array) -> jax.Array:
-  """``[W, W, M]`` bool: rows ``i`` and ``j`` have the same key in column
-  ``d`` (chained keys: the same ``d + 1``-block prefix)."""
-  return jnp.all(keys[:, None] == keys[None, :], axis=-1)
-
-
 def common_blocks(keys: jax.Array, full: jax.Array) -> jax.Array:
   """``[W, W]`` int32 full blocks two rows share from the start.
 
@@ -360,20 +354,44 @@ def _dfs_order(max_sorted: int):
     # A node is a cached prefix of d + 1 blocks (a chained key); request i
     # passes through its first depth[i] nodes.
     on = valid[:, None] & (jnp.arange(m)[None, :] < depth[:, None])  # [W, M]
-    same = _same_prefix(keys)
-    same = same & on[:, None] & on[None, :]
-    weight = jnp.sum(same.astype(jnp.int32), axis=1)  # [W, M]
-    first = jnp.min(jnp.where(same, pos[None, :, None], _BIG), axis=1)
+    # i and j pass through the same node at depth d iff d < c[i, j], their
+    # shared hit prefix (chained keys); a node's weight and first queued
+    # request are counts and minima over j, per row by the value of c.
+    w = keys.shape[0]
+    c = common_blocks(keys, jnp.where(valid, depth, 0))  # [W, W]
+    rows = jnp.broadcast_to(jnp.arange(w)[:, None], (w, w))
+    valid_j = jnp.broadcast_to(valid[None, :], (w, w))
+    count = (
+      jnp.zeros((w, m + 1), jnp.int32)
+      .at[rows, c]
+      .add(valid_j.astype(jnp.int32))
+    )
+    least = (
+      jnp.full((w, m + 1), _BIG, jnp.int32)
+      .at[rows, c]
+      .min(jnp.where(valid_j, pos[None, :], _BIG))
+    )
+    above = jnp.cumsum(count[:, ::-1], axis=1)[:, ::-1]  # j with c >= v
+    weight = above[:, 1:]  # [W, M]: j with c > d
+    first = jax.lax.cummin(least, axis=1, reverse=True)[:, 1:]
     # Lexicographic path: (-weight, first) per depth, then _BIG at the node
     # a request ends on (its own requests follow the children), then the
-    # queue position.
+    # queue position. Two paths agree above depth c[i, j] and differ (or
+    # both end) at it, so comparing there decides the pair: a request's
+    # rank is the count of requests before it (no sort over 2M keys).
     a = jnp.where(on, -weight, _BIG)
     b = jnp.where(on, first, 0)
-    sort_keys = [pos]
-    for d in reversed(range(m)):
-      sort_keys += [b[:, d], a[:, d]]
+    at = jnp.clip(c, 0, m - 1)
+    cols = rows.T
+    ai, bi, aj, bj = a[rows, at], b[rows, at], a[cols, at], b[cols, at]
+    before = (aj < ai) | (
+      (aj == ai) & ((bj < bi) | ((bj == bi) & (pos[None, :] < pos[:, None])))
+    )
+    rank = jnp.sum((before & valid_j).astype(jnp.int32), axis=1)
+    key = jnp.full(view.queued.shape, _BIG, jnp.int32)
+    ranked = scatter(key, rids, rank, valid)
     fallback = view.num_waiting > max_sorted
-    return jnp.where(fallback, 0, _ranked(view, rids, valid, sort_keys))
+    return jnp.where(fallback, 0, ranked)
 
   return order
 
