@@ -37,6 +37,18 @@ def _slices(rows, keys):
   return out
 
 
+def _replay_point(r) -> dict[str, Any]:
+  """A replay row in the point dicts of :mod:`prefixjax.plots`."""
+  return {
+    "policy": r["policy"],
+    "capacity_blocks": r["capacity"],
+    "block_size": r["block_size"],
+    "hit_rate": r["hit_rate"],
+    "fragmentation": r["internal_fragmentation"],
+    "mode": "underfilled" if r["underfilled"] else "measured",
+  }
+
+
 def _trace_label(spec, workload: str) -> str:
   w = spec.workloads.get(workload) if spec is not None else None
   if w is not None and w.trace is not None:
@@ -58,18 +70,8 @@ def sweep_plots(
     if len({r["capacity"] for r in part}) < 2:
       continue
     ceiling = part[0].get("ceiling_hit_rate")
-    points = [
-      {
-        "policy": r["policy"],
-        "capacity_blocks": r["capacity"],
-        "hit_rate": r["hit_rate"],
-        "block_size": r["block_size"],
-        "mode": "underfilled" if r["underfilled"] else "measured",
-      }
-      for r in part
-    ]
     written += plots.plot_hit_rates(
-      points,
+      [_replay_point(r) for r in part],
       folder / f"hit_rate_{_slug(w, sem)}_k{k}.png",
       ceiling=ceiling,
       trace=_trace_label(spec, w),
@@ -85,18 +87,8 @@ def sweep_plots(
   ).items():
     if len({r["block_size"] for r in part}) < 2:
       continue
-    points = [
-      {
-        "policy": r["policy"],
-        "block_size": r["block_size"],
-        "hit_rate": r["hit_rate"],
-        "fragmentation": r["internal_fragmentation"],
-        "mode": "underfilled" if r["underfilled"] else "measured",
-      }
-      for r in part
-    ]
     written += plots.plot_hit_rate_vs_block_size(
-      points,
+      [_replay_point(r) for r in part],
       folder / f"block_size_{_slug(w, sem)}_{c}tokens.png",
       trace=_trace_label(spec, w),
       semantics=sem,

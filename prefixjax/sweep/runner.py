@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from prefixjax.sweep.spec import Point, SweepSpec, load_spec
+from prefixjax.sweep.spec import Point, SweepSpec, load_spec, serving_config
 
 __all__ = [
   "SweepError",
@@ -178,21 +178,10 @@ def _replay_group(trace, points: Sequence[Point]):
 
 
 def _simulate_group(trace, points: Sequence[Point], vectorize, devices):
-  from prefixjax.serving import ServingConfig, simulate_batch
+  from prefixjax.serving import simulate_batch
 
   p0 = points[0]
-  configs = [
-    ServingConfig(
-      num_gpu_blocks=p.get("num_blocks") + 1,
-      block_size=p.get("block_size"),
-      max_num_seqs=p.get("max_num_seqs"),
-      max_num_batched_tokens=p.get("max_num_batched_tokens"),
-      max_model_len=p.get("max_model_len"),
-      chunked_prefill=p.get("chunked_prefill"),
-      scheduler=p.get("scheduler"),
-    )
-    for p in points
-  ]
+  configs = [serving_config(dict(p.params)) for p in points]
   roofline = p0.get("clock") == "roofline"
   start = time.perf_counter()
   results = simulate_batch(
@@ -266,7 +255,10 @@ def _check_out(out: pathlib.Path, spec: SweepSpec) -> None:
       )
 
 
-def _load_done(folder: pathlib.Path, spec: SweepSpec) -> dict[str, dict]:
+def _load_done(
+  folder: pathlib.Path, spec: SweepSpec, known=()
+) -> dict[str, dict]:
+  """The rows of the point files in ``folder`` (keys in ``known`` skipped)."""
   done = {}
   if not folder.is_dir():
     return done
@@ -274,6 +266,8 @@ def _load_done(folder: pathlib.Path, spec: SweepSpec) -> dict[str, dict]:
   for f in folder.iterdir():
     if f.name.startswith("."):  # a temporary file a kill left behind
       f.unlink(missing_ok=True)
+      continue
+    if f.stem in known:
       continue
     if f.suffix != ".json" or f.stem not in keys:
       continue
@@ -452,7 +446,7 @@ def run_sweep(
         )
         waited = True
       time.sleep(poll_s)
-      done.update(_load_done(folder, spec))
+      done.update(_load_done(folder, spec, known=done.keys()))
   rows = tuple(done[p.key] for p in spec.points if p.key in done)
   skipped = tuple(
     (p.index, missing[p.workload.name])

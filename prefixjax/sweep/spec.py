@@ -703,20 +703,26 @@ def _expand(grid, mode, where, workloads, left_out, *, strict=False):
   return out
 
 
-def _check_simulate(params, where):
-  """The simulate rules that join fields (ServingConfig and the clock)."""
+def serving_config(params: Mapping[str, Any]):
+  """The :class:`prefixjax.serving.ServingConfig` of a simulate point's
+  fields (``num_blocks`` usable blocks: the null block is added)."""
   from prefixjax.serving import ServingConfig
 
+  return ServingConfig(
+    num_gpu_blocks=params["num_blocks"] + 1,
+    block_size=params["block_size"],
+    max_num_seqs=params["max_num_seqs"],
+    max_num_batched_tokens=params["max_num_batched_tokens"],
+    max_model_len=params["max_model_len"],
+    chunked_prefill=params["chunked_prefill"],
+    scheduler=params["scheduler"],
+  )
+
+
+def _check_simulate(params, where):
+  """The simulate rules that join fields (ServingConfig and the clock)."""
   try:
-    ServingConfig(
-      num_gpu_blocks=params["num_blocks"] + 1,
-      block_size=params["block_size"],
-      max_num_seqs=params["max_num_seqs"],
-      max_num_batched_tokens=params["max_num_batched_tokens"],
-      max_model_len=params["max_model_len"],
-      chunked_prefill=params["chunked_prefill"],
-      scheduler=params["scheduler"],
-    )
+    serving_config(params)
   except ValueError as err:
     msg = str(err).removeprefix("ServingConfig.")
     msg = msg.replace("num_gpu_blocks=", "num_blocks+1=", 1)
