@@ -256,16 +256,19 @@ def _check_out(out: pathlib.Path, spec: SweepSpec) -> None:
 
 
 def _load_done(
-  folder: pathlib.Path, spec: SweepSpec, known=()
+  folder: pathlib.Path, spec: SweepSpec, known=(), clean=False
 ) -> dict[str, dict]:
-  """The rows of the point files in ``folder`` (keys in ``known`` skipped)."""
+  """The rows of the point files in ``folder`` (keys in ``known`` skipped);
+  ``clean`` deletes the temporary files a killed run left (only safe when
+  no other process is writing into ``folder``)."""
   done = {}
   if not folder.is_dir():
     return done
   keys = {p.key for p in spec.points}
   for f in folder.iterdir():
-    if f.name.startswith("."):  # a temporary file a kill left behind
-      f.unlink(missing_ok=True)
+    if f.name.startswith("."):  # a temporary file
+      if clean:  # left behind by a kill
+        f.unlink(missing_ok=True)
       continue
     if f.stem in known:
       continue
@@ -339,7 +342,7 @@ def run_sweep(
     out = pathlib.Path(out)
     _check_out(out, spec)
     folder = out / "points"
-    done = _load_done(folder, spec)
+    done = _load_done(folder, spec, clean=count == 1)
   for sem, policy, n in spec.left_out:
     say(
       f"replay: {n} points of policy {policy} left out ({sem} does not "
