@@ -37,6 +37,7 @@ __all__ = [
   "SimResult",
   "arrival_steps",
   "arrival_times_s",
+  "build_inputs",
   "fabricated_token",
   "records_from_trace",
   "simulate",
@@ -641,6 +642,27 @@ def _build(
       sample=_field(records, "sample"),
     ),
   )
+
+
+def build_inputs(records: list[Mapping[str, Any]], config: ServingConfig):
+  """The device inputs of a run with every request queued at step 0.
+
+  What :func:`simulate` builds (``arrivals="zero"``, the steps clock), for a
+  driver that runs the steps itself (:class:`prefixjax.model.Engine`: the
+  simulator plus a forward pass). Records as :func:`simulate`'s, after
+  :func:`fan_out`.
+
+  Returns:
+    ``(state, reqs, params, scheduler)``: an
+    :class:`~prefixjax.serving.vllm_v1.EngineState` with a fresh cache
+    (nothing queued yet: :func:`prefixjax.serving.vllm_v1.admit` queues
+    the requests), the :class:`~prefixjax.serving.vllm_v1.RequestTable`
+    (``keys`` of the records' prompt and outputs), the
+    :class:`~prefixjax.serving.vllm_v1.EngineParams` and the
+    :class:`~prefixjax.serving.schedulers.Scheduler`.
+  """
+  built = _build(records, config, "zero", None, None, 0, "steps", None, None)
+  return built.state, built.reqs, built.params, built.scheduler
 
 
 def _field(records, name: str) -> np.ndarray | None:

@@ -124,8 +124,11 @@ __all__ = [
   "SimStatus",
   "StepRecord",
   "StepTrace",
+  "admit",
+  "complete",
   "init_state",
   "run",
+  "schedule",
   "set_progress_sink",
   "step",
   "view",
@@ -517,32 +520,22 @@ def _update_from_output(st, c, reqs, params):
   return st, finished
 
 
-def step(
+def schedule(
   state: EngineState,
   reqs: RequestTable,
   params: EngineParams,
   scheduler: sch.Scheduler | str = "fcfs",
-  clock=None,
-) -> tuple[EngineState, StepRecord]:
-  """One sync ``EngineCore.step()``: ``schedule()``, outputs, bookkeeping.
+) -> dict:
+  """The scheduling half of :func:`step` (``Scheduler.schedule``).
 
-  Traceable (the body of :func:`run`'s loop). Does not advance
-  ``state.step`` or flag a stall: :func:`run` does both.
-
-  Args:
-    state: the engine.
-    reqs: the trace (``rank`` and ``prio_key`` set for ``"priority"``).
-    params: the scheduler knobs.
-    scheduler: a :class:`prefixjax.serving.schedulers.Scheduler` or its
-      registered name (static).
-    clock: ``None`` (counted steps) or an object whose
-      ``step_time_s(new_tokens [S], context_tokens [S])`` gives the step's
-      seconds (:class:`prefixjax.serving.roofline.RooflineClock`), static;
-      context is each scheduled request's computed tokens before the step
-      (hits included).
-
-  Returns:
-    ``(new_state, StepRecord)``.
+  Traceable. Runs the running and waiting loops (blocks allocated and
+  published, ``num_computed`` advanced) and returns the plan: a dict with
+  ``"st"`` (the state after scheduling), ``"num_sched"``, ``"sched_rid"``
+  ``[S]``, ``"sched_n"`` ``[S]``, ``"sched_kind"`` ``[S]``,
+  ``"preempted"`` ``[S]`` and the step's prefix-cache counts. The model
+  runs between this and :func:`complete` (``prefixjax.model.Engine``: the
+  scheduled tokens are ``num_computed - sched_n .. num_computed`` of each
+  scheduled request); :func:`step` is the two back to back.
   """
   threshold = jnp.where(
     state.num_running + state.num_waiting <= 1,
@@ -561,7 +554,33 @@ def step(
     else jax.tree.map(lambda a, b: jnp.where(fast, a, b), quick[key], c[key])
     for key in c
   }
-  c = _waiting_phase(c, reqs, params, threshold, scheduler)
+  return _waiting_phase(c, reqs, params, threshold, scheduler)
+
+
+def complete(
+  plan: dict,
+  reqs: RequestTable,
+  params: EngineParams,
+  scheduler: sch.Scheduler | str = "fcfs",
+  clock=None,
+) -> tuple[EngineState, StepRecord]:
+  """The output half of :func:`step` (``update_from_output``).
+
+  Traceable. Every scheduled request whose computed tokens reach its
+  ``num_tokens`` samples one token; a request stops at ``max_model_len``
+  tokens or ``reqs.max_tokens`` outputs (an engine that samples an end id
+  lowers that request's ``max_tokens`` to its outputs so far plus one
+  before calling this) and is released.
+
+  Args:
+    plan: from :func:`schedule`.
+    reqs, params, scheduler, clock: as :func:`step`.
+
+  Returns:
+    ``(new_state, StepRecord)``.
+  """
+  scheduler = sch.get_scheduler(scheduler)
+  c = plan
   st = c["st"]
   s = st.running.shape[0]
   lanes = jnp.arange(s) < c["num_sched"]
@@ -626,6 +645,38 @@ def step(
   return st, record
 
 
+def step(
+  state: EngineState,
+  reqs: RequestTable,
+  params: EngineParams,
+  scheduler: sch.Scheduler | str = "fcfs",
+  clock=None,
+) -> tuple[EngineState, StepRecord]:
+  """One sync ``EngineCore.step()``: ``schedule()``, outputs, bookkeeping.
+
+  Traceable (the body of :func:`run`'s loop): :func:`complete` of
+  :func:`schedule`. Does not advance ``state.step`` or flag a stall:
+  :func:`run` does both.
+
+  Args:
+    state: the engine.
+    reqs: the trace (``rank`` and ``prio_key`` set for ``"priority"``).
+    params: the scheduler knobs.
+    scheduler: a :class:`prefixjax.serving.schedulers.Scheduler` or its
+      registered name (static).
+    clock: ``None`` (counted steps) or an object whose
+      ``step_time_s(new_tokens [S], context_tokens [S])`` gives the step's
+      seconds (:class:`prefixjax.serving.roofline.RooflineClock`), static;
+      context is each scheduled request's computed tokens before the step
+      (hits included).
+
+  Returns:
+    ``(new_state, StepRecord)``.
+  """
+  plan = schedule(state, reqs, params, scheduler)
+  return complete(plan, reqs, params, scheduler, clock)
+
+
 def _reached(ms, frac, st: EngineState) -> jax.Array:
   """Time ``(ms, frac)`` is at or before the engine's time."""
   return (ms < st.time_ms) | ((ms == st.time_ms) & (frac <= st.time_frac))
@@ -639,7 +690,7 @@ def _add_ms(st: EngineState, dt_ms) -> EngineState:
   )
 
 
-def _admit(
+def admit(
   st: EngineState,
   reqs: RequestTable,
   scheduler: sch.Scheduler,
@@ -881,7 +932,7 @@ def _run(
     # now), then the due arrivals are queued; no lax.cond: a step with
     # nothing to do changes nothing.
     st = to_next_arrival(st, ~pending(st))
-    st = _admit(st, reqs, scheduler, timed)
+    st = admit(st, reqs, scheduler, timed)
     return work((st, trace))
 
   st, trace = jax.lax.while_loop(cond, body, (state, trace0))

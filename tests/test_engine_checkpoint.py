@@ -1,0 +1,146 @@
+"""Engine checkpoints: saved mid-generation, restored in a fresh process.
+
+The restored engine must finish the generation with the tokens, logits
+(to the bit) and hits of the engine that was never stopped, and a later
+batch must hit what the saved cache held.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from prefixjax.configs import ModelConfig
+from prefixjax.model import CacheConfig, Engine
+
+MODEL = ModelConfig.tiny()
+CFG = CacheConfig(
+  block_size=16,
+  num_blocks=33,
+  max_num_seqs=3,
+  max_num_batched_tokens=48,
+  max_model_len=192,
+)
+
+_CHILD = textwrap.dedent(
+  """
+  import hashlib, json, sys
+  import numpy as np
+  from prefixjax.model import Engine
+
+  path, later = sys.argv[1], json.loads(sys.argv[2])
+  engine, gen = Engine.restore(path)
+  steps_before = len(gen.schedule)
+  res = gen.run()
+  after = engine.generate(later, 6, return_logits=True)
+
+  def digest(logits):
+    h = hashlib.sha256()
+    for a in logits:
+      h.update(np.ascontiguousarray(a, np.float32).tobytes())
+    return h.hexdigest()
+
+  print(json.dumps(dict(
+    steps_before=steps_before,
+    tokens=res.tokens, stats={k: v for k, v in res.stats.items()
+                              if k != "wall_s"},
+    schedule=res.schedule, logits=digest(res.logits),
+    later_tokens=after.tokens, later_hits=after.stats["hit_tokens"],
+    later_logits=digest(after.logits))))
+  """
+)
+
+
+def _digest(logits):
+  h = hashlib.sha256()
+  for a in logits:
+    h.update(np.ascontiguousarray(a, np.float32).tobytes())
+  return h.hexdigest()
+
+
+def _ids(rng, n):
+  return rng.integers(0, MODEL.vocab_size, int(n)).tolist()
+
+
+def test_a_generation_saved_midway_finishes_the_same_in_a_new_process(
+  rng, tmp_path
+):
+  system = _ids(rng, rng.integers(20, 50))
+  warm = [system + _ids(rng, 5)]
+  batch = [system + _ids(rng, rng.integers(1, 40)) for _ in range(4)]
+  later = [system + _ids(rng, rng.integers(1, 20)) for _ in range(2)]
+  mnt = int(rng.integers(10, 30))
+  eng = Engine(MODEL, CFG)
+  eng.generate(warm, 3)
+  gen = eng.start(batch, mnt, temperature=0.8, seed=7, return_logits=True)
+  for _ in range(int(rng.integers(2, 8))):
+    gen.step()
+  assert not gen.done
+  saved_steps = len(gen.schedule)
+  eng.save(tmp_path / "ckpt", gen)
+  res = gen.run()
+  after = eng.generate(later, 6, return_logits=True)
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  out = subprocess.run(
+    [sys.executable, "-c", _CHILD, str(tmp_path / "ckpt"), json.dumps(later)],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=600,
+    check=False,
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  child = json.loads(out.stdout.strip().splitlines()[-1])
+  assert child["steps_before"] == saved_steps
+  assert child["tokens"] == res.tokens
+  assert child["schedule"] == res.schedule
+  want = {k: v for k, v in res.stats.items() if k != "wall_s"}
+  assert child["stats"] == want
+  assert child["logits"] == _digest(res.logits)
+  assert child["later_tokens"] == after.tokens
+  assert child["later_hits"] == after.stats["hit_tokens"] > 0
+  assert child["later_logits"] == _digest(after.logits)
+
+
+def test_an_idle_engine_round_trips_its_cache(rng, tmp_path):
+  prompt = _ids(rng, rng.integers(33, 60))
+  eng = Engine(MODEL, CFG, seed=int(rng.integers(100)))
+  eng.generate([prompt], 4)
+  eng.save(tmp_path / "idle")
+  back, gen = Engine.restore(tmp_path / "idle")
+  assert gen is None
+  a = eng.generate([prompt], 4, return_logits=True)
+  b = back.generate([prompt], 4, return_logits=True)
+  assert (
+    a.stats["hit_tokens"]
+    == b.stats["hit_tokens"]
+    == 16 * ((len(prompt) - 1) // 16)
+  )
+  assert a.tokens == b.tokens
+  assert _digest(a.logits) == _digest(b.logits)
+
+
+def test_checkpoint_errors(rng, tmp_path):
+  eng = Engine(MODEL, CFG)
+  eng.save(tmp_path / "x")
+  with pytest.raises(FileExistsError, match="refusing to overwrite"):
+    eng.save(tmp_path / "x")
+  with pytest.raises(FileNotFoundError, match="no engine checkpoint"):
+    Engine.restore(tmp_path / "missing")
+  other = Engine(MODEL, CFG)
+  gen = other.start([_ids(rng, 5)], 2)
+  with pytest.raises(ValueError, match="another engine"):
+    eng.save(tmp_path / "y", gen)
+  with pytest.raises(RuntimeError, match="still running"):
+    other.start([_ids(rng, 5)], 2)
+  gen.run()
+  with pytest.raises(RuntimeError, match="done"):
+    gen.step()
