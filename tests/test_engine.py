@@ -351,3 +351,52 @@ def test_the_bitwise_check_sees_one_ulp_in_the_cached_pages(rng):
   assert a.stats["hit_tokens"] == b.stats["hit_tokens"] == 48
   assert not np.array_equal(_bits(a.logits[0]), _bits(b.logits[0]))
   np.testing.assert_allclose(a.logits[0], b.logits[0], rtol=1e-4, atol=1e-5)
+
+
+def test_chunks_cut_on_block_boundaries_and_decode_groups(rng):
+  """plan_chunks against a direct reading of its contract."""
+  from prefixjax.model import forward as fwd
+
+  k, m, c_max = 4, 8, 6 * 8 + 2
+  common = rng.integers(1, 100, m)
+  runs = []
+  for _ in range(int(rng.integers(2, 7))):
+    table = rng.integers(100, 200, m)
+    keep = int(rng.integers(0, m))
+    table[:keep] = common[:keep]
+    stop = int(rng.integers(1, m * k))
+    start = stop - (1 if rng.random() < 0.6 else int(rng.integers(1, stop + 1)))
+    runs.append((start, stop, rng.integers(0, 50, m * k), table))
+  arrays, last = fwd.plan_chunks(runs, k, c_max, m)
+  c = 0
+  for i, (start, stop, toks, table) in enumerate(runs):
+    for pos in range(start, stop):  # every new token sits in one chunk row
+      b, r = divmod(pos, k)
+      hit = [
+        j
+        for j in range(c, last[i] + 1)
+        if arrays["block"][j] == b and arrays["lo"][j] <= r < arrays["hi"][j]
+      ]
+      assert len(hit) == 1
+      assert arrays["tokens"][hit[0], r] == toks[pos]
+      np.testing.assert_array_equal(arrays["table"][hit[0]], table)
+    c = last[i] + 1
+  used = c
+  assert np.all(arrays["hi"][used:] == 0)
+  one = (arrays["hi"] - arrays["lo"] == 1) & (arrays["block"] > 0)
+  for j in range(used):
+    g, n = arrays["group"][j], arrays["shared"][j]
+    members = np.flatnonzero(arrays["group"][:used] == g)
+    if len(members) == 1:
+      continue
+    assert one[members].all()
+    rows = arrays["table"][members]
+    assert n <= arrays["block"][members].min()
+    assert (rows[:, :n] == rows[:1, :n]).all()
+    if n < arrays["block"][members].min():  # maximal
+      assert not (rows[:, n] == rows[0, n]).all()
+  # Every one-row chunk with the same first page is in one group.
+  for a in np.flatnonzero(one):
+    for b in np.flatnonzero(one):
+      same = arrays["table"][a, 0] == arrays["table"][b, 0]
+      assert same == (arrays["group"][a] == arrays["group"][b])

@@ -93,6 +93,7 @@ _HOST = (
   "blocks_peak",
   "num_finished",
   "done",
+  "setup_s",
 )
 
 

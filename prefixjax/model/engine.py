@@ -126,6 +126,8 @@ class GenerateResult:
     schedule: per step ``[[request, tokens], ...]`` in scheduler order
       (requests numbered as ``tokens``), as
       :meth:`prefixjax.serving.SimResult.scheduled`.
+    setup_s: wall seconds :meth:`Engine.start` took before the first step
+      (checks, request table, block keys).
     step_s: wall seconds of each step (scheduling, forward, sampling and
       bookkeeping, host round trips included).
     forward_s: of those, the seconds from the forward's dispatch to the
@@ -142,6 +144,7 @@ class GenerateResult:
   tokens: list[list[int]]
   stats: dict[str, Any]
   schedule: list[list[list[int]]]
+  setup_s: float
   step_s: list[float]
   forward_s: list[float]
   context: list[list[list[int]]]
@@ -346,6 +349,7 @@ class Engine:
       TypeError, ValueError: bad arguments (see :meth:`generate`).
       RuntimeError: a generation is still running.
     """
+    t_start = time.perf_counter()
     if self._live is not None and not self._live.done:
       raise RuntimeError(
         "a generation is still running on this engine; finish it first"
@@ -368,6 +372,7 @@ class Engine:
     self._live = Generation(
       self, records, salt, seed, temperature, eos_id, return_logits
     )
+    self._live.setup_s = time.perf_counter() - t_start
     return self._live
 
   def save(self, path, generation: Generation | None = None) -> None:
@@ -493,6 +498,7 @@ class Generation:
     self.num_finished = 0
     self.done = False
     self.t0 = time.perf_counter()
+    self.setup_s = 0.0
     self.records = records[: self.num_real]
     self.salt_real = salt
     self.return_logits = logits
@@ -663,6 +669,7 @@ class Generation:
       tokens=[list(o) for o in self.outputs],
       stats=stats,
       schedule=self.schedule,
+      setup_s=self.setup_s,
       step_s=self.step_s,
       forward_s=self.forward_s,
       context=self.context,

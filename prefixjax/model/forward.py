@@ -34,9 +34,11 @@ Two modes:
   pays for a whole ``[K]`` chunk of projections.
 * ``batch_invariant=False``: one ``[C * K, d]`` matmul per projection for
   all chunks, prefill attention over the packed new rows of every chunk
-  (:func:`pallas_kernels.prefill_attention`, ragged) and decode attention
-  (:func:`pallas_kernels.paged_attention`) for chunks of one new row.
-  Results agree with the invariant mode to float32 rounding, not bitwise.
+  (:func:`pallas_kernels.prefill_attention`, ragged) and, for chunks of one
+  new row, decode attention grouped by the leading pages their requests
+  share (:func:`pallas_kernels.shared_prefix_attention`: a shared page is
+  read once per group; its log-sum-exp merge rounds differently). Results
+  agree with the invariant mode to float32 rounding, not bitwise.
 """
 
 from __future__ import annotations
@@ -108,6 +110,11 @@ class Chunks:
     table: ``[C, M]`` int32 the request's block table (page ids).
     block: ``[C]`` int32 the block's index ``b`` in the request.
     lo, hi: ``[C]`` int32 the rows new this step, ``[lo, hi)``.
+    group: ``[C]`` int32 decode group of each chunk (the batched mode's
+      :func:`pallas_kernels.shared_prefix_attention`): chunks of one new
+      row whose requests share leading pages point at the group's first
+      chunk; every other chunk is its own group.
+    shared: ``[C]`` int32 full pages the chunk's group shares (0 alone).
   """
 
   tokens: jax.Array
@@ -115,6 +122,8 @@ class Chunks:
   block: jax.Array
   lo: jax.Array
   hi: jax.Array
+  group: jax.Array
+  shared: jax.Array
 
 
 def max_chunks(block_size: int, max_num_batched_tokens: int, max_seqs: int):
@@ -165,7 +174,43 @@ def plan_chunks(
       hi[c] = min(stop, (b + 1) * k) - b * k
       c += 1
     last.append(c - 1)
-  return dict(tokens=tokens, table=table, block=block, lo=lo, hi=hi), last
+  group, shared = _decode_groups(table, block, lo, hi)
+  arrays = dict(
+    tokens=tokens,
+    table=table,
+    block=block,
+    lo=lo,
+    hi=hi,
+    group=group,
+    shared=shared,
+  )
+  return arrays, last
+
+
+def _decode_groups(table, block, lo, hi):
+  """Groups the one-row chunks by the pages their requests share.
+
+  Chunks whose first page is the same form a group; it shares the longest
+  run of equal leading pages among its members, counting only pages before
+  every member's current block (full pages). Others are groups of one.
+  """
+  num = table.shape[0]
+  group = np.arange(num, dtype=np.int32)
+  shared = np.zeros((num,), np.int32)
+  by_page: dict[int, list[int]] = {}
+  for c in range(num):
+    if hi[c] - lo[c] == 1 and block[c] > 0:
+      by_page.setdefault(int(table[c, 0]), []).append(c)
+  for members in by_page.values():
+    if len(members) < 2:
+      continue
+    width = int(min(block[c] for c in members))
+    rows = table[members, :width]
+    same = np.all(rows == rows[:1], axis=0)
+    n = width if same.all() else int(np.argmin(same))
+    group[members] = members[0]
+    shared[members] = n
+  return group, shared
 
 
 def _slots(chunks: Chunks, block_size: int) -> jax.Array:
@@ -304,10 +349,29 @@ def _attend_batched(q, kp, vp, chunks, kv_len, kern):
   o = jnp.where(
     new.reshape(-1)[:, None, None], o[jnp.maximum(dest.reshape(-1), 0)], 0
   ).reshape(q.shape)
-  # Decode: one new row, the last of the chunk.
+  # Decode: one new row, the last of the chunk; a group's shared pages are
+  # read once for all its members.
   last = jnp.clip(chunks.hi - 1, 0, k - 1)
   q_last = jnp.take_along_axis(q, last[:, None, None, None], axis=1)[:, 0]
-  dec = pk.paged_attention(q_last, kp, vp, chunks.table, kv_len, **kern)
+  width = chunks.table.shape[1]
+  column = jnp.arange(width, dtype=jnp.int32)[None, :]
+  suffix = jnp.take_along_axis(
+    chunks.table,
+    jnp.minimum(column + chunks.shared[:, None], width - 1),
+    axis=1,
+  )
+  dec = pk.shared_prefix_attention(
+    q_last,
+    kp,
+    vp,
+    chunks.table,
+    chunks.shared * k,
+    chunks.group,
+    suffix,
+    kv_len - chunks.shared * k,
+    max_group_size=num_chunks,
+    **kern,
+  )
   one_row = (n_new == 1)[:, None, None, None] & (row == last[:, None])[
     ..., None, None
   ]
