@@ -42,6 +42,7 @@ WRITES = {
     "sweep/plots/schedulers_*.png",
   ),
   "kernels.ipynb": (),
+  "engine.ipynb": ("engine_steps.png", "ckpt/meta"),
 }
 
 # Seconds a notebook may take on a CPU runtime (issue 15: under 5 minutes;
