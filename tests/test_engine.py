@@ -9,6 +9,8 @@ samples as the trace's outputs; and the same engine with prefix caching off.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -327,10 +329,8 @@ def test_bad_configs_and_arguments_are_refused():
     eng.generate([[1, 2], [3]], [4])
   with pytest.raises(ValueError, match="max_new_tokens=0"):
     eng.generate([[1, 2]], 0)
-  other = ModelConfig.tiny()
-  wrong = Engine(
-    ModelConfig(**{**other.__dict__, "name": "wide", "hidden_size": 32}), CFG
-  ).params
+  wide = dataclasses.replace(MODEL, name="wide", hidden_size=32)
+  wrong = Engine(wide, CFG).params
   with pytest.raises(ValueError, match="params"):
     Engine(MODEL, CFG, params=wrong)
 
@@ -400,3 +400,59 @@ def test_chunks_cut_on_block_boundaries_and_decode_groups(rng):
     for b in np.flatnonzero(one):
       same = arrays["table"][a, 0] == arrays["table"][b, 0]
       assert same == (arrays["group"][a] == arrays["group"][b])
+
+
+FORK = dataclasses.replace(CFG, max_num_seqs=12, parallel_sampling="fork")
+
+
+@pytest.mark.parametrize(
+  "fork",
+  [
+    FORK,
+    # Too few running slots and blocks: children queue, requests preempt.
+    dataclasses.replace(FORK, max_num_seqs=4, num_blocks=17),
+  ],
+  ids=["roomy", "pressed"],
+)
+def test_fork_sampling_gives_fan_out_bits_with_less_prefill(rng, fork):
+  from prefixjax.cache import paging
+
+  k = fork.block_size
+  lens = [int(k * rng.integers(1, 4))]  # one prompt ends on a block
+  lens += [int(x) for x in rng.integers(17, 70, 2)]
+  prompts = [_ids(rng, n) for n in lens]
+  kw = dict(n=3, temperature=1.0, seed=int(rng.integers(1000)))
+  kw.update(return_logits=True)
+  eng = Engine(MODEL, fork)
+  forked = eng.generate(prompts, 12, **kw)
+  fan_out = dataclasses.replace(fork, parallel_sampling="fan_out")
+  fanned = Engine(MODEL, fan_out).generate(prompts, 12, **kw)
+  assert_bitwise(forked, fanned)
+  assert paging.check_invariants(eng.cache.paging) == []
+  assert int(eng.cache.paging.num_free) == fork.num_blocks - 1
+  s = forked.stats
+  if fork is FORK:  # every child forks: only the parents prefill
+    assert s["preemptions"] == 0
+    assert s["prefill_tokens_computed"] == sum(lens)
+    assert s["hit_tokens"] == 0
+    assert s["cow_copies"] == 2 * sum(n % k != 0 for n in lens)
+    assert s["blocks_peak"] < fanned.stats["blocks_peak"]
+  else:
+    assert s["preemptions"] > 0 or s["cow_copies"] < 2 * len(lens)
+  assert s["prefill_tokens_computed"] < fanned.stats["prefill_tokens_computed"]
+  # The simulator runs the same fork rules: the same schedule.
+  records = [
+    dict(
+      input_tok_ids=prompts[i // 3],
+      output_toks=len(out),
+      output_tok_ids=out,
+      parent=i // 3,
+      sample=i % 3,
+    )
+    for i, out in enumerate(forked.tokens)
+  ]
+  sim = serving.simulate(records, fork.serving_config())
+  assert forked.schedule == sim.scheduled()
+  assert (
+    sim.metrics()["prefill_tokens_computed"] == s["prefill_tokens_computed"]
+  )

@@ -94,6 +94,7 @@ _HOST = (
   "num_finished",
   "done",
   "setup_s",
+  "copies",
 )
 
 
@@ -117,6 +118,7 @@ def _generation_meta(gen: Generation) -> dict:
     elapsed_s=time.perf_counter() - gen.t0,
   )
   meta.update({name: getattr(gen, name) for name in _HOST})
+  meta["dormant"] = sorted(gen.dormant)
   return meta
 
 
@@ -258,6 +260,7 @@ def restore(path) -> tuple[Engine, Generation | None]:
     gen.max_tokens = np.array(parts["max_tokens"])
     for name in _HOST:
       setattr(gen, name, g[name])
+    gen.dormant = set(g["dormant"])
     if gen.return_logits:
       flat = np.asarray(parts.get("logits", np.zeros((0, 1), np.float32)))
       cuts = np.cumsum([len(o) for o in gen.outputs])[:-1]

@@ -22,10 +22,16 @@ simulator's on a trace whose outputs are the engine's samples
 across :meth:`Engine.generate` calls: a later batch hits what an earlier one
 published.
 
-Parallel sampling (``n > 1``) is vLLM 0.33's: ``n`` child requests with the
-same prompt (:func:`prefixjax.serving.simulate.fan_out`), sharing the
-prompt's full blocks through the prefix cache; the partial last block is
-recomputed by each child (vLLM v1 has no copy-on-write fork).
+Parallel sampling (``n > 1``) follows ``CacheConfig.parallel_sampling``:
+``"fan_out"`` is vLLM 0.33's (``n`` child requests with the same prompt,
+:func:`prefixjax.serving.simulate.fan_out`, sharing the prompt's full
+blocks through the prefix cache; each recomputes the partial last block);
+``"fork"`` prefills the prompt once and forks the children at the parent's
+first token (:mod:`prefixjax.serving.fork`): they share its blocks, the
+partly filled last page is copied for each with
+:func:`pallas_kernels.copy_blocks`, and each child draws its first token
+from the parent's logits with its own key. Both give the same tokens and
+logits to the bit; fork computes fewer prefill tokens.
 
 ``prefix_caching=False`` salts every request's block keys with a unique
 value (as vLLM's ``cache_salt`` would), so no request can hit another's
@@ -44,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels as pk
 from prefixjax.cache import hashing
 from prefixjax.configs import ModelConfig
 from prefixjax.model import forward as fwd
@@ -70,6 +77,10 @@ class CacheConfig:
     chunked_prefill: whether a prompt may be split over several steps.
     long_prefill_token_threshold: cap on one request's tokens per step while
       others run or wait; 0 is no cap.
+    parallel_sampling: ``"fan_out"`` (vLLM 0.33: ``n`` independent child
+      requests sharing the prompt's full blocks) or ``"fork"`` (the parent
+      prefills once; at its first token the children fork its blocks and
+      copy the partly filled last one, :mod:`prefixjax.serving.fork`).
 
   Raises:
     TypeError, ValueError: a field of the wrong type or value (the rules of
@@ -83,6 +94,7 @@ class CacheConfig:
   max_model_len: int = 512
   chunked_prefill: bool = True
   long_prefill_token_threshold: int = 0
+  parallel_sampling: str = "fan_out"
 
   def __post_init__(self):
     try:
@@ -105,6 +117,7 @@ class CacheConfig:
       chunked_prefill=self.chunked_prefill,
       long_prefill_token_threshold=self.long_prefill_token_threshold,
       scheduler=scheduler,
+      parallel_sampling=self.parallel_sampling,
     )
 
 
@@ -122,7 +135,8 @@ class GenerateResult:
       preemption, recomputed; ``prompt_tokens - hit_tokens`` when nothing
       was preempted), ``decode_tokens``, ``generated_tokens``,
       ``preemptions``, ``blocks_peak`` (usable blocks held after scheduling,
-      the most over steps), ``steps``, ``wall_s``.
+      the most over steps), ``cow_copies`` (pages copied when fork children
+      started), ``steps``, ``wall_s``.
     schedule: per step ``[[request, tokens], ...]`` in scheduler order
       (requests numbered as ``tokens``), as
       :meth:`prefixjax.serving.SimResult.scheduled`.
@@ -186,6 +200,27 @@ def _keys(tokens, lens, salt, *, block_size):
     return hashing.block_hashes(t, n, block_size=block_size, extra=s)[0]
 
   return jax.vmap(one)(tokens, lens, salt)
+
+
+@functools.partial(
+  jax.jit, static_argnames=("backend", "interpret"), donate_argnames=("pool",)
+)
+def _copy_pages(pool, src, dst, *, backend, interpret):
+  """Copy-on-write of a fork: pages ``src -> dst`` in every layer
+  (:func:`pallas_kernels.copy_blocks`)."""
+  ks, vs = [], []
+  for layer in range(pool.k.shape[0]):
+    k, v = pk.copy_blocks(
+      pool.k[layer],
+      pool.v[layer],
+      src,
+      dst,
+      backend=backend,
+      interpret=interpret,
+    )
+    ks.append(k)
+    vs.append(v)
+  return fwd.KVPool(k=jnp.stack(ks), v=jnp.stack(vs))
 
 
 @jax.jit
@@ -300,7 +335,8 @@ class Engine:
       max_new_tokens: outputs per request (one int, or one per prompt); a
         request also stops at ``max_model_len`` tokens or at ``eos_id``.
       prefix_caching: reuse cached blocks (see the module docstring).
-      n: samples per prompt (vLLM's fan-out).
+      n: samples per prompt (``CacheConfig.parallel_sampling``: vLLM's
+        fan-out, or fork with copy-on-write).
       temperature: 0 is greedy; otherwise softmax sampling at this
         temperature, seeded per request and position.
       seed: sampling seed (default the engine's).
@@ -485,6 +521,16 @@ class Generation:
       ],
       np.int32,
     )
+    self.fork_parent = (
+      None if reqs.fork_parent is None else np.asarray(reqs.fork_parent)
+    )
+    self.children: dict[int, list[int]] = {}
+    self.dormant: set[int] = set()
+    if self.fork_parent is not None:
+      for c in np.flatnonzero(self.fork_parent >= 0):
+        self.children.setdefault(int(self.fork_parent[c]), []).append(int(c))
+        self.dormant.add(int(c))
+    self.copies = 0
     self.outputs: list[list[int]] = [[] for _ in range(self.num_real)]
     self.logits = [[] for _ in range(self.num_real)] if logits else None
     self.schedule: list[list[list[int]]] = []
@@ -566,6 +612,7 @@ class Generation:
       eng.pool,
       chunks,
       batch_invariant=eng.batch_invariant,
+      shared_decode=(not eng.batch_invariant) and fwd.has_groups(arrays),
       backend=eng.backend,
       interpret=eng.interpret,
     )
@@ -593,13 +640,18 @@ class Generation:
       if self.eos_id is not None and tok == self.eos_id:
         self.max_tokens[rid] = len(self.outputs[rid])
         lowered = True
+    forks = self._fork_draws(samples, last, logits, rows)
+    lowered |= any(self.max_tokens[c] == 1 for c, *_ in forks)
     reqs = self.reqs
     if lowered:
       reqs = reqs.replace(max_tokens=jnp.asarray(self.max_tokens))
     self.state, rec = _complete(
       plan, reqs, self.params, scheduler=self.scheduler
     )
-    filled = any(self.lens[rid] % k == 0 for _, rid, _ in samples)
+    forked = self._forked(forks, slot, tables) if forks else []
+    filled = any(self.lens[rid] % k == 0 for _, rid, _ in samples) or any(
+      self.lens[c] % k == 0 for c in forked
+    )
     self.reqs = reqs.replace(keys=self._keys()) if filled else reqs
     rec = jax.device_get(rec)
     here = len(self.schedule)
@@ -624,6 +676,82 @@ class Generation:
     self.done = left == 0 and int(st.num_arrived) == len(self.lens)
     if self.done:
       eng.cache = st.cache
+
+  def _fork_draws(self, samples, last, logits, rows):
+    """Fork mode: each dormant child of a request that samples its first
+    token now draws its own first token from the parent's logits (its own
+    key). Returns ``[(child, token, row)]``; eos lowers ``max_tokens``."""
+    if not self.dormant:
+      return []
+    draws = []  # (child, logits row index, position)
+    for i, rid, stop in samples:
+      if rid < self.num_real and len(self.outputs[rid]) == 1:
+        draws += [(c, last[i], stop) for c in self.children.get(rid, ())]
+    if not draws:
+      return []
+    size = 1 << max(len(draws) - 1, 0).bit_length()
+    pick = np.zeros((size,), np.int32)
+    uid = np.zeros((size,), np.int32)
+    pos = np.zeros((size,), np.int32)
+    for j, (c, row, stop) in enumerate(draws):
+      pick[j], uid[j], pos[j] = row, self.uid[c], stop
+    toks = np.asarray(
+      _sample(
+        logits[jnp.asarray(pick)],
+        self.seed,
+        uid,
+        pos,
+        jnp.float32(self.temperature),
+      )
+    )
+    out = []
+    for j, (c, row, _) in enumerate(draws):
+      tok = int(toks[j])
+      if self.eos_id is not None and tok == self.eos_id:
+        self.max_tokens[c] = 1
+      out.append((c, tok, None if rows is None else rows[row]))
+    return out
+
+  def _forked(self, forks, slot_before, tables_before):
+    """After ``complete``: the children that forked (or finished at once)
+    take their first token; the forked ones get their copied page."""
+    k = self.k
+    status, slot, tables = jax.device_get(
+      (self.state.status, self.state.slot, self.state.cache.paging.block_tables)
+    )
+    here = len(self.schedule)
+    src, dst, started = [], [], []
+    for c, tok, row in forks:
+      self.dormant.discard(c)
+      st = int(status[c])
+      if st not in (vllm_v1.ReqStatus.RUNNING, vllm_v1.ReqStatus.FINISHED):
+        continue  # queued as a plain request: it samples for itself
+      plen = int(self.prompt_len[c])
+      self.outputs[c].append(tok)
+      self.first_step[c] = here
+      if row is not None:
+        self.logits[c].append(row.copy())
+      self.tokens[c, plen] = tok
+      self.lens[c] = plen + 1
+      started.append(c)
+      if st == vllm_v1.ReqStatus.FINISHED:
+        self.finish_step[c] = here
+        self.num_finished += 1
+      elif plen % k:
+        parent = int(self.fork_parent[c])
+        src.append(int(tables_before[slot_before[parent], plen // k]))
+        dst.append(int(tables[slot[c], plen // k]))
+    if src:
+      eng = self.eng
+      eng.pool = _copy_pages(
+        eng.pool,
+        jnp.asarray(src, jnp.int32),
+        jnp.asarray(dst, jnp.int32),
+        backend=eng.backend,
+        interpret=eng.interpret,
+      )
+      self.copies += len(src)
+    return started
 
   def run(self, progress: bool = False) -> GenerateResult:
     """Steps until done (a tqdm bar over requests with ``progress``)."""
@@ -655,6 +783,7 @@ class Generation:
       generated_tokens=sum(len(o) for o in self.outputs),
       preemptions=int(st.num_preemptions[real].sum()),
       blocks_peak=self.blocks_peak,
+      cow_copies=self.copies,
       steps=len(self.schedule),
       wall_s=time.perf_counter() - self.t0,
     )

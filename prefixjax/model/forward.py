@@ -37,7 +37,8 @@ Two modes:
   (:func:`pallas_kernels.prefill_attention`, ragged) and, for chunks of one
   new row, decode attention grouped by the leading pages their requests
   share (:func:`pallas_kernels.shared_prefix_attention`: a shared page is
-  read once per group; its log-sum-exp merge rounds differently). Results
+  read once per group; its log-sum-exp merge rounds differently), or
+  :func:`pallas_kernels.paged_attention` in a step where no two share. Results
   agree with the invariant mode to float32 rounding, not bitwise.
 """
 
@@ -213,6 +214,13 @@ def _decode_groups(table, block, lo, hi):
   return group, shared
 
 
+def has_groups(arrays: dict[str, np.ndarray]) -> bool:
+  """Whether some decode group of :func:`plan_chunks`'s arrays has two
+  members sharing a page."""
+  group = arrays["group"]
+  return bool(np.any((group != np.arange(group.size)) & (arrays["shared"] > 0)))
+
+
 def _slots(chunks: Chunks, block_size: int) -> jax.Array:
   """``[C * K]`` write slots of the new rows (``page * K + row``), else -1."""
   k = block_size
@@ -224,7 +232,13 @@ def _slots(chunks: Chunks, block_size: int) -> jax.Array:
 
 @functools.partial(
   jax.jit,
-  static_argnames=("model", "batch_invariant", "backend", "interpret"),
+  static_argnames=(
+    "model",
+    "batch_invariant",
+    "shared_decode",
+    "backend",
+    "interpret",
+  ),
   donate_argnames=("pool",),
 )
 def forward(
@@ -234,6 +248,7 @@ def forward(
   chunks: Chunks,
   *,
   batch_invariant: bool = True,
+  shared_decode: bool = True,
   backend: str | None = None,
   interpret: Any = False,
 ) -> tuple[jax.Array, KVPool]:
@@ -245,6 +260,10 @@ def forward(
     pool: the KV pool (donated: the returned pool replaces it).
     chunks: the step's work.
     batch_invariant: see the module docstring (static).
+    shared_decode: the batched mode's decode kernel (static):
+      :func:`pallas_kernels.shared_prefix_attention` over ``chunks.group``
+      (True) or :func:`pallas_kernels.paged_attention` (False: no group has
+      two members, :func:`has_groups`).
     backend, interpret: passed to every :mod:`pallas_kernels` call
       (static).
 
@@ -289,7 +308,7 @@ def forward(
     if batch_invariant:
       attn = _attend_invariant(q, kp, vp, chunks, kv_len, kern)
     else:
-      attn = _attend_batched(q, kp, vp, chunks, kv_len, kern)
+      attn = _attend_batched(q, kp, vp, chunks, kv_len, kern, shared_decode)
     if batch_invariant:
       x = jax.lax.map(
         lambda a, layer=layer: call(Llama.attention_output, layer, *a),
@@ -331,7 +350,7 @@ def _attend_invariant(q, kp, vp, chunks, kv_len, kern):
   return jax.lax.map(one, (q, chunks.table, kv_len, chunks.hi))
 
 
-def _attend_batched(q, kp, vp, chunks, kv_len, kern):
+def _attend_batched(q, kp, vp, chunks, kv_len, kern, shared_decode):
   """Packed prefill over every chunk's new rows; decode kernel for 1-row
   chunks."""
   num_chunks, k = q.shape[:2]
@@ -353,25 +372,28 @@ def _attend_batched(q, kp, vp, chunks, kv_len, kern):
   # read once for all its members.
   last = jnp.clip(chunks.hi - 1, 0, k - 1)
   q_last = jnp.take_along_axis(q, last[:, None, None, None], axis=1)[:, 0]
-  width = chunks.table.shape[1]
-  column = jnp.arange(width, dtype=jnp.int32)[None, :]
-  suffix = jnp.take_along_axis(
-    chunks.table,
-    jnp.minimum(column + chunks.shared[:, None], width - 1),
-    axis=1,
-  )
-  dec = pk.shared_prefix_attention(
-    q_last,
-    kp,
-    vp,
-    chunks.table,
-    chunks.shared * k,
-    chunks.group,
-    suffix,
-    kv_len - chunks.shared * k,
-    max_group_size=num_chunks,
-    **kern,
-  )
+  if shared_decode:
+    width = chunks.table.shape[1]
+    column = jnp.arange(width, dtype=jnp.int32)[None, :]
+    suffix = jnp.take_along_axis(
+      chunks.table,
+      jnp.minimum(column + chunks.shared[:, None], width - 1),
+      axis=1,
+    )
+    dec = pk.shared_prefix_attention(
+      q_last,
+      kp,
+      vp,
+      chunks.table,
+      chunks.shared * k,
+      chunks.group,
+      suffix,
+      kv_len - chunks.shared * k,
+      max_group_size=num_chunks,
+      **kern,
+    )
+  else:
+    dec = pk.paged_attention(q_last, kp, vp, chunks.table, kv_len, **kern)
   one_row = (n_new == 1)[:, None, None, None] & (row == last[:, None])[
     ..., None, None
   ]

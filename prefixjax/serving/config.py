@@ -28,6 +28,9 @@ def _int_field(name: str, value) -> int:
   return int(value)
 
 
+PARALLEL_SAMPLING = ("fan_out", "fork")
+
+
 @dataclasses.dataclass(frozen=True)
 class ServingConfig:
   """A vLLM v1 engine's scheduler and KV-cache sizes.
@@ -51,6 +54,11 @@ class ServingConfig:
       (``"priority"`` reads each record's ``priority``, lower first,
       default 0); ``"lpm"``, ``"dfs"``, ``"fair"`` and user-defined ones
       order the waiting queue inside vLLM's loop.
+    parallel_sampling: how a request with ``n > 1`` samples: ``"fan_out"``
+      (vLLM 0.33: ``n`` independent child requests sharing the prompt's
+      blocks through the prefix cache) or ``"fork"`` (the parent prefills,
+      the children fork its blocks with copy-on-write at its first token;
+      :mod:`prefixjax.serving.fork`).
 
   Raises:
     TypeError: a field of the wrong type.
@@ -71,10 +79,17 @@ class ServingConfig:
   chunked_prefill: bool = True
   long_prefill_token_threshold: int = 0
   scheduler: str | sch.Scheduler = "fcfs"
+  parallel_sampling: str = "fan_out"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
-      if f.name == "scheduler":
+      if f.name == "parallel_sampling":
+        if self.parallel_sampling not in PARALLEL_SAMPLING:
+          raise ValueError(
+            "ServingConfig.parallel_sampling="
+            f"{self.parallel_sampling!r} must be one of {PARALLEL_SAMPLING}"
+          )
+      elif f.name == "scheduler":
         if not isinstance(self.scheduler, (str, sch.Scheduler)):
           raise TypeError(
             "ServingConfig.scheduler must be a str or a Scheduler, got "

@@ -44,6 +44,7 @@ class ReqStatus(enum.IntEnum):
   PREEMPTED = 2
   FINISHED = 3
   REJECTED = 4
+  DORMANT = 5  # a fork child waiting for its parent's first token
 
 
 class SchedKind(enum.IntEnum):
@@ -85,6 +86,9 @@ class RequestTable:
       ``[R]`` float32 fraction of a millisecond of each arrival time; read
       by a timed clock (``clock=`` of :func:`run`), which queues a request
       once the engine's time reaches it (``arrival_step`` is then unused).
+    fork_parent: ``[R]`` int32 the request a fork child is forked from
+      (-1: none), or ``None`` (no fork children;
+      :mod:`prefixjax.serving.fork`).
   """
 
   keys: jax.Array
@@ -97,6 +101,7 @@ class RequestTable:
   client: jax.Array | None = None
   arrival_ms: jax.Array | None = None
   arrival_frac: jax.Array | None = None
+  fork_parent: jax.Array | None = None
 
 
 @struct.dataclass

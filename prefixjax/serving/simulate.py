@@ -580,6 +580,10 @@ def _build(
   status = np.where(
     rejected, engine.ReqStatus.REJECTED, engine.ReqStatus.WAITING
   ).astype(np.int32)
+  fork_parent = _fork_parents(records, config)
+  if fork_parent is not None:
+    child = (fork_parent >= 0) & ~rejected
+    status[child] = engine.ReqStatus.DORMANT
   cache = pc.init(
     config.num_gpu_blocks,
     config.block_size,
@@ -609,6 +613,8 @@ def _build(
     reqs = reqs.replace(
       arrival_ms=jnp.asarray(arrival_ms), arrival_frac=jnp.asarray(arrival_frac)
     )
+  if fork_parent is not None:
+    reqs = reqs.replace(fork_parent=jnp.asarray(fork_parent))
   params = engine.EngineParams(
     max_num_batched_tokens=jnp.int32(config.max_num_batched_tokens),
     max_model_len=jnp.int32(config.max_model_len),
@@ -665,6 +671,24 @@ def build_inputs(records: list[Mapping[str, Any]], config: ServingConfig):
   return built.state, built.reqs, built.params, built.scheduler
 
 
+def _fork_parents(records, config) -> np.ndarray | None:
+  """``[R]`` int32: with ``parallel_sampling="fork"``, each child's sample-0
+  sibling (the request it forks from), -1 for the others; else None."""
+  if config.parallel_sampling != "fork" or "parent" not in records[0]:
+    return None
+  first: dict[int, int] = {}
+  out = np.full((len(records),), -1, np.int32)
+  for rid, rec in enumerate(records):
+    parent = int(rec.get("parent", -1))
+    if parent < 0:
+      continue
+    if rec["sample"] == 0:
+      first[parent] = rid
+    else:
+      out[rid] = first[parent]
+  return out
+
+
 def _field(records, name: str) -> np.ndarray | None:
   """``[R]`` int64 of a :func:`fan_out` field, or None without one."""
   if name not in records[0]:
@@ -672,7 +696,13 @@ def _field(records, name: str) -> np.ndarray | None:
   return np.asarray([rec[name] for rec in records], np.int64)
 
 
-_STATIC = ("num_gpu_blocks", "block_size", "max_num_seqs", "max_model_len")
+_STATIC = (
+  "num_gpu_blocks",
+  "block_size",
+  "max_num_seqs",
+  "max_model_len",
+  "parallel_sampling",
+)
 
 
 def _per_config(name: str, value, n: int) -> list:

@@ -112,6 +112,7 @@ from prefixjax.serving.engine_state import (
   init_state,
   view,
 )
+from prefixjax.serving.fork import enqueue, wake_children
 
 __all__ = [
   "POLICIES",
@@ -470,7 +471,7 @@ def _waiting_phase(c, reqs, params, threshold, scheduler):
   return jax.lax.while_loop(cond, body, carry0)
 
 
-def _update_from_output(st, c, reqs, params):
+def _update_from_output(st, c, reqs, params, scheduler):
   """``update_from_output``: sample, check stop, free, in scheduled order.
 
   The per-request updates are one vectorised pass (each request is
@@ -517,6 +518,11 @@ def _update_from_output(st, c, reqs, params):
   pos = jnp.cumsum(keep.astype(jnp.int32)) - 1
   running = scatter(jnp.full((s,), NONE, jnp.int32), pos, st.running, keep)
   st = st.replace(running=running, num_running=jnp.sum(keep.astype(jnp.int32)))
+  if reqs.fork_parent is not None:
+    first = scatter(
+      jnp.zeros(st.status.shape, jnp.bool_), rids, True, sample & (outputs == 1)
+    )
+    st = wake_children(st, reqs, params, scheduler, first)
   return st, finished
 
 
@@ -600,7 +606,7 @@ def complete(
   frag = jnp.sum(
     jnp.where(run_lanes, (-gather(st.num_computed, st.running, 0)) % k, 0)
   )
-  st, finished = _update_from_output(st, c, reqs, params)
+  st, finished = _update_from_output(st, c, reqs, params, scheduler)
   # The harness's step record (sched_harness.py / the oracle's _record_step).
   kinds = c["sched_kind"]
   decode = lanes & gather(st.sampled_last, rids, False) & (kinds == 0)
@@ -699,7 +705,8 @@ def admit(
   """The harness's ``add_arrivals``: queue every request due by the clock.
 
   Requests arrive in ``arrival_order``; a rejected one (status
-  ``REJECTED``) is consumed without being queued.
+  ``REJECTED``) or a fork child (``DORMANT``) is consumed without being
+  queued.
   """
   r_len = st.waiting.shape[0]
 
@@ -715,23 +722,9 @@ def admit(
 
   def body(st):
     rid = at(reqs.arrival_order, st.num_arrived)
-    queue = at(st.status, rid) != ReqStatus.REJECTED
-    if scheduler.deque:
-      tail = (st.waiting_head + st.num_waiting) % r_len
-    else:  # add_request: a heap push (keyed by rid)
-      tail = rid
-    st = st.replace(
-      waiting=put(st.waiting, tail, rid, queue),
-      num_waiting=st.num_waiting + queue.astype(jnp.int32),
-      num_arrived=st.num_arrived + 1,
-      queue_pos=put(st.queue_pos, rid, st.queue_back, queue),
-      queue_back=st.queue_back + queue.astype(jnp.int32),
-    )
-    return st.replace(
-      sched_state=scheduler.on_arrival(
-        st.sched_state, view(st, reqs), rid, queue
-      )
-    )
+    queue = at(st.status, rid) == ReqStatus.WAITING
+    st = st.replace(num_arrived=st.num_arrived + 1)
+    return enqueue(st, reqs, scheduler, rid, queue)
 
   return jax.lax.while_loop(due, body, st)
 

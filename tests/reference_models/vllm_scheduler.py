@@ -227,6 +227,8 @@ def model_kwargs(config) -> dict[str, Any]:
   kw = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
   kw["policy"] = config.scheduler_name
   del kw["scheduler"]
+  if kw.pop("parallel_sampling", "fan_out") != "fan_out":
+    raise ValueError("the vLLM 0.33 model has no fork parallel sampling")
   return kw
 
 
