@@ -39,6 +39,7 @@ __all__ = [
   "arrival_times_s",
   "build_inputs",
   "fabricated_token",
+  "prepare_records",
   "records_from_trace",
   "simulate",
   "simulate_batch",
@@ -499,6 +500,16 @@ class _Built:
   host: dict[str, Any]
 
 
+def prepare_records(trace) -> list[dict[str, Any]]:
+  """A Trace or records as :func:`simulate` reads them: the harness's
+  records after :func:`fan_out`.
+
+  Raises:
+    ValueError: no request, a trace without token ids, a bad ``n``.
+  """
+  return _check_records(trace)
+
+
 def _check_records(trace) -> list:
   records = _records_of(trace) if isinstance(trace, Trace) else list(trace)
   if not records:
@@ -650,13 +661,20 @@ def _build(
   )
 
 
-def build_inputs(records: list[Mapping[str, Any]], config: ServingConfig):
-  """The device inputs of a run with every request queued at step 0.
+def build_inputs(
+  records: list[Mapping[str, Any]],
+  config: ServingConfig,
+  arrivals: Arrivals = "zero",
+  step_time_ms: float | None = None,
+  rate: float | None = None,
+  seed: int = 0,
+):
+  """The device inputs of a run on the steps clock.
 
-  What :func:`simulate` builds (``arrivals="zero"``, the steps clock), for a
-  driver that runs the steps itself (:class:`prefixjax.model.Engine`: the
-  simulator plus a forward pass). Records as :func:`simulate`'s, after
-  :func:`fan_out`.
+  What :func:`simulate` builds (same checks, same arguments), for a driver
+  that runs the steps itself (:class:`prefixjax.model.Engine`: the
+  simulator plus a forward pass; :mod:`prefixjax.routing`: replicas).
+  Records as :func:`simulate`'s, after :func:`fan_out`.
 
   Returns:
     ``(state, reqs, params, scheduler)``: an
@@ -667,7 +685,9 @@ def build_inputs(records: list[Mapping[str, Any]], config: ServingConfig):
     :class:`~prefixjax.serving.vllm_v1.EngineParams` and the
     :class:`~prefixjax.serving.schedulers.Scheduler`.
   """
-  built = _build(records, config, "zero", None, None, 0, "steps", None, None)
+  built = _build(
+    records, config, arrivals, step_time_ms, rate, seed, "steps", None, None
+  )
   return built.state, built.reqs, built.params, built.scheduler
 
 

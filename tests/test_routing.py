@@ -1,0 +1,302 @@
+"""Replicas behind routers (issue 16).
+
+References: with a router that reads no state (``round_robin``,
+``session_affinity``) the cluster must equal each replica's share of the
+trace run alone through :func:`prefixjax.serving.simulate` (the step-exact
+simulator); each router's pick equals a plain-Python reading of its rule on
+random views; the approximate view equals a Python LRU of block hashes;
+and the orderings the routers exist for hold on a workload built for them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from prefixjax import serving
+from prefixjax.routing import (
+  RouteView,
+  get_router,
+  router_names,
+  simulate_cluster,
+)
+from prefixjax.routing import cluster as cl
+from prefixjax.serving import ServingConfig
+from prefixjax.workloads import synthetic
+
+CONFIG = ServingConfig(
+  num_gpu_blocks=60,
+  block_size=16,
+  max_num_seqs=6,
+  max_num_batched_tokens=192,
+  max_model_len=512,
+)
+
+
+def _trace(rng, n=60, prompts=5, rate=60.0):
+  return synthetic.generate_workload(
+    "system_prompt",
+    num_requests=n,
+    seed=int(rng.integers(1 << 30)),
+    num_prompts=prompts,
+    prompt_len=(48, 160),
+    question_len=(4, 40),
+    output_len=(4, 20),
+    rate=rate,
+  )
+
+
+@pytest.mark.parametrize("router", ["round_robin", "session_affinity"])
+def test_a_state_free_router_gives_each_replica_its_own_simulation(rng, router):
+  trace = _trace(rng, n=int(rng.integers(20, 50)))
+  p = int(rng.integers(2, 5))
+  res = simulate_cluster(
+    trace,
+    CONFIG,
+    replicas=p,
+    router=router,
+    arrivals="trace",
+    step_time_ms=10.0,
+  )
+  assert res.status == "OK"
+  records = serving.records_from_trace(trace)
+  if router == "round_robin":
+    np.testing.assert_array_equal(res.route, np.arange(len(records)) % p)
+  else:  # one session, one replica
+    sessions = np.asarray(trace.session_ids)
+    for s in np.unique(sessions):
+      assert len(set(res.route[sessions == s])) == 1
+  for q in range(p):
+    mine = np.flatnonzero(res.route == q)
+    if not len(mine):
+      continue
+    alone = serving.simulate(
+      [records[i] for i in mine], CONFIG, arrivals="trace", step_time_ms=10.0
+    )
+    reqs = alone.requests()
+    assert [r["first_token_step"] for r in reqs] == res.first_token_step[
+      mine
+    ].tolist()
+    assert [r["finish_step"] for r in reqs] == res.finish_step[mine].tolist()
+    got = res.hit_first_sched[mine].tolist()
+    assert [r["hit_first_sched"] for r in reqs] == got
+
+
+def _view(rng, p):
+  k = 16
+  plen = int(rng.integers(1, 400))
+  blocks = -(-plen // k)
+  return RouteView(
+    match_tokens=jnp.asarray(
+      k * rng.integers(0, (plen - 1) // k + 1, p), jnp.int32
+    ),
+    prompt_len=jnp.int32(plen),
+    prompt_blocks=jnp.int32(blocks),
+    output_len=jnp.int32(rng.integers(1, 100)),
+    block_size=jnp.int32(k),
+    running=jnp.asarray(rng.integers(0, 120, p), jnp.int32),
+    waiting=jnp.asarray(rng.integers(0, 120, p), jnp.int32),
+    outstanding_tokens=jnp.asarray(rng.integers(0, 5000, p), jnp.int32),
+    prefill_blocks=jnp.asarray(rng.integers(0, 50, p), jnp.int32),
+    decode_blocks=jnp.asarray(rng.integers(0, 50, p), jnp.int32),
+    kv_usage=jnp.asarray(rng.random(p), jnp.float32),
+    client=jnp.int32(rng.integers(0, 1000)),
+    step=jnp.int32(rng.integers(0, 1000)),
+  )
+
+
+def _first(values, best):
+  return next(i for i, v in enumerate(values) if v == best)
+
+
+def _expected(name, v) -> int:
+  """The rule of each router, in plain Python on the view's numbers."""
+  h = {f: np.asarray(x).tolist() for f, x in v._asdict().items()}
+  p = len(h["running"])
+  if name == "least_load":
+    return _first(h["outstanding_tokens"], min(h["outstanding_tokens"]))
+  if name == "cache_aware":
+    load = [a + b for a, b in zip(h["running"], h["waiting"], strict=True)]
+    least = _first(load, min(load))
+    if max(load) - min(load) > 64 and max(load) > 1.5 * min(load):
+      return least
+    best = _first(h["match_tokens"], max(h["match_tokens"]))
+    rate = h["match_tokens"][best] / max(h["prompt_len"], 1)
+    return best if rate > 0.3 else least
+  if name == "kv_cost":
+    cost = [
+      max(h["prefill_blocks"][i] + h["prompt_blocks"] - m // 16, 0)
+      + h["decode_blocks"][i]
+      for i, m in enumerate(h["match_tokens"])
+    ]
+    return _first(cost, min(cost))
+  if name == "llm_d":
+    q = h["waiting"]
+    span = max(q) - min(q)
+    score = [
+      2 * ((max(q) - q[i]) / span if span else 1)
+      + 2 * (1 - np.float32(h["kv_usage"][i]))
+      + 3 * (h["match_tokens"][i] // 16) / max(h["prompt_blocks"], 1)
+      for i in range(p)
+    ]
+    return _first(score, max(score))
+  if name == "e2":  # a fresh router: no load in its window
+    best = max(h["match_tokens"])
+    if h["prompt_len"] - best < best:
+      return _first(h["match_tokens"], best)
+    return 0
+  raise AssertionError(name)
+
+
+@pytest.mark.parametrize(
+  "name", ["least_load", "cache_aware", "kv_cost", "llm_d", "e2"]
+)
+def test_each_router_picks_by_its_rule(rng, name):
+  router = get_router(name)
+  pick = jax.jit(router.pick)
+  for _ in range(40):
+    p = int(rng.integers(1, 9))
+    v = _view(rng, p)
+    if name == "cache_aware" and rng.random() < 0.5:  # balanced loads
+      v = v._replace(waiting=jnp.zeros_like(v.waiting), running=v.running % 5)
+    got = int(pick(router.init(p, 1), v, jnp.int32(0)))
+    assert got == _expected(name, v), v
+
+
+def test_e2_balances_by_the_work_in_its_window(rng):
+  router = get_router("e2", window_steps=4)
+  p = 3
+  state = router.init(p, 8)
+  v = _view(rng, p)._replace(
+    match_tokens=jnp.zeros((p,), jnp.int32), step=jnp.int32(10)
+  )
+  seen = []
+  for step in (10, 10, 11, 20):  # the last one: the window has moved on
+    v = v._replace(step=jnp.int32(step))
+    replica = router.pick(state, v, jnp.int32(0))
+    seen.append(int(replica))
+    state = router.on_route(state, v, jnp.int32(0), replica)
+  assert seen == [0, 1, 2, 0]
+
+
+def test_approximate_view_is_an_lru_of_routed_block_hashes(rng):
+  k, m, cap, p = 4, 6, 5, 2
+  cs = cl.ClusterState(
+    replicas=None,
+    router=(),
+    view_keys=jnp.zeros((p, cap, 2), jnp.uint32),
+    view_stamp=jnp.full((p, cap), -1, jnp.int32),
+    route=jnp.zeros((1,), jnp.int32),
+    num_arrived=jnp.int32(0),
+    routed=jnp.int32(0),
+    step=jnp.int32(0),
+    num_steps=jnp.int32(0),
+    error=jnp.int32(0),
+  )
+  # The Python model: per replica ``cap`` slots of [key, stamp]; a routed
+  # key already there is refreshed, a new one takes the first slot with the
+  # oldest stamp (empty slots first).
+  slots = [[[None, -1] for _ in range(cap)] for _ in range(p)]
+  vocab = rng.integers(1, 1 << 30, (8, 2)).astype(np.uint32)
+  for t in range(30):
+    keys = vocab[rng.integers(0, 8, m)]
+    plen = int(rng.integers(1, m * k + 1))
+    replica = int(rng.integers(0, p))
+    got = np.asarray(cl._approx_match(cs, jnp.asarray(keys), plen, k))
+    for q in range(p):
+      held = {s[0] for s in slots[q] if s[1] >= 0}
+      run = 0
+      for j in range((plen - 1) // k):
+        if tuple(keys[j]) not in held:
+          break
+        run += 1
+      assert got[q] == run * k
+    cs = cl._remember(cs, replica, jnp.asarray(keys), plen, k, jnp.bool_(True))
+    cs = cs.replace(routed=cs.routed + 1)
+    for j in range(plen // k):
+      key = tuple(keys[j])
+      row = slots[replica]
+      same = [i for i, s in enumerate(row) if s[1] >= 0 and s[0] == key]
+      i = same[0] if same else min(range(cap), key=lambda i: row[i][1])
+      row[i] = [key, t]
+
+
+def test_routers_order_as_expected_on_a_shared_prompt_workload(rng):
+  trace = _trace(rng, n=120, prompts=8, rate=200.0)
+  small = ServingConfig(
+    num_gpu_blocks=40,
+    block_size=16,
+    max_num_seqs=6,
+    max_num_batched_tokens=192,
+    max_model_len=512,
+  )
+  m = {}
+  for router, mode in [
+    ("round_robin", "exact"),
+    ("least_load", "exact"),
+    ("cache_aware", "exact"),
+    ("cache_aware", "approximate"),
+    ("kv_cost", "exact"),
+    ("e2", "exact"),
+  ]:
+    res = simulate_cluster(
+      trace,
+      small,
+      replicas=4,
+      router=router,
+      mode=mode,
+      arrivals="trace",
+      step_time_ms=10.0,
+    )
+    assert res.status == "OK"
+    m[router, mode] = res.metrics()
+    assert m[router, mode]["finished"] == len(trace)
+  rr = m["round_robin", "exact"]["token_hit_rate"]
+  for name in ("cache_aware", "kv_cost", "e2"):
+    assert m[name, "exact"]["token_hit_rate"] > rr, name
+  assert (
+    m["least_load", "exact"]["imbalance"]
+    < m["cache_aware", "exact"]["imbalance"]
+  )
+  # Exact views see evictions, the approximate one does not: never worse.
+  assert (
+    m["cache_aware", "exact"]["token_hit_rate"]
+    >= m["cache_aware", "approximate"]["token_hit_rate"] - 0.02
+  )
+
+
+def test_replicas_sharded_over_eight_devices_equal_one(rng):
+  devices = jax.devices()
+  assert len(devices) == 8  # tests/conftest.py fakes eight CPU devices
+  trace = _trace(rng, n=40)
+  kw = dict(replicas=8, router="kv_cost", arrivals="trace", step_time_ms=10.0)
+  one = simulate_cluster(trace, CONFIG, vectorize=True, **kw)
+  eight = simulate_cluster(trace, CONFIG, vectorize=True, devices=devices, **kw)
+  mapped = simulate_cluster(trace, CONFIG, vectorize=False, **kw)
+  for other in (eight, mapped):
+    np.testing.assert_array_equal(other.route, one.route)
+    np.testing.assert_array_equal(other.finish_step, one.finish_step)
+    np.testing.assert_array_equal(other.hit_first_sched, one.hit_first_sched)
+    assert other.metrics() == one.metrics()
+
+
+def test_bad_arguments_are_refused(rng):
+  trace = _trace(rng, n=5)
+  with pytest.raises(ValueError, match="unknown router"):
+    simulate_cluster(trace, CONFIG, replicas=2, router="nope")
+  with pytest.raises(ValueError, match="mode="):
+    simulate_cluster(trace, CONFIG, replicas=2, mode="psychic")
+  with pytest.raises(ValueError, match="replicas=0"):
+    simulate_cluster(trace, CONFIG, replicas=0)
+  with pytest.raises(ValueError, match="multiple"):
+    simulate_cluster(
+      trace, CONFIG, replicas=3, vectorize=True, devices=jax.devices()[:2]
+    )
+  with pytest.raises(ValueError, match="fan_out"):
+    fork = ServingConfig(**{**CONFIG.__dict__, "parallel_sampling": "fork"})
+    simulate_cluster(trace, fork, replicas=2)
+  with pytest.raises(ValueError, match="router 'e2'"):
+    get_router("e2", bogus=1)
+  assert "cache_aware" in router_names()
