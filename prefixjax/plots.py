@@ -31,6 +31,7 @@ __all__ = [
   "hit_rate_figure",
   "plot_hit_rate_vs_block_size",
   "plot_hit_rates",
+  "plot_routers",
   "plot_schedulers",
   "scheduler_figure",
 ]
@@ -473,6 +474,88 @@ def scheduler_figure(
 
 
 _LINE = {"linewidth": 1.4, "markersize": 5}
+
+
+def plot_routers(
+  rows: Sequence[Mapping[str, Any]],
+  path: str | os.PathLike[str],
+  *,
+  title: str | None = None,
+  trace: str | None = None,
+  figsize: tuple[float, float] = (6.4, 4.0),
+  also: Sequence[str] = (),
+) -> list[str]:
+  """Hit rate against load imbalance, one marker per router and mode.
+
+  Args:
+    rows: one dict per cluster run with ``router``, ``route_mode``
+      (``"exact"`` filled markers, ``"approximate"`` hollow),
+      ``token_hit_rate`` and ``imbalance`` (max over mean of the
+      replicas' computed tokens); rows sharing router and mode are drawn at
+      their mean with min-max bars.
+    path, title, trace, figsize, also: as :func:`plot_schedulers`.
+
+  Returns:
+    The paths written, ``path`` first.
+
+  Raises:
+    ValueError: no rows, or a row without those keys.
+  """
+  if not rows:
+    raise ValueError("no rows to plot")
+  for i, r in enumerate(rows):
+    for key in ("router", "route_mode", "token_hit_rate", "imbalance"):
+      if r.get(key) is None:
+        raise ValueError(f"row {i} has no {key!r}")
+  fig, (ax,) = _panels(figsize, 1)
+  routers = _sorted({r["router"] for r in rows})
+  handles = []
+  from matplotlib.lines import Line2D
+
+  for i, name in enumerate(routers):
+    style = _style(i)
+    for mode in ("exact", "approximate"):
+      part = [
+        r for r in rows if r["router"] == name and r["route_mode"] == mode
+      ]
+      if not part:
+        continue
+      x = [float(r["imbalance"]) for r in part]
+      y = [float(r["token_hit_rate"]) for r in part]
+      mx, my = sum(x) / len(x), sum(y) / len(y)
+      face = style["color"] if mode == "exact" else "none"
+      spread = len(part) > 1
+      ax.errorbar(
+        [mx],
+        [my],
+        xerr=[[mx - min(x)], [max(x) - mx]] if spread else None,
+        yerr=[[my - min(y)], [max(y) - my]] if spread else None,
+        fmt=style["marker"],
+        color=style["color"],
+        markerfacecolor=face,
+        markersize=8,
+        capsize=3,
+        linewidth=1,
+      )
+      handles.append(
+        Line2D(
+          [],
+          [],
+          linestyle="none",
+          marker=style["marker"],
+          color=style["color"],
+          markerfacecolor=face,
+          label=f"{name} ({mode})",
+        )
+      )
+  ax.set_xlabel("load imbalance (max / mean computed tokens)", fontsize=9)
+  ax.set_ylabel("token hit rate", fontsize=9)
+  if title is None and trace is not None:
+    title = f"routers on {_trace_stem(trace)}"
+  if title:
+    ax.set_title(title, fontsize=10)
+  _legend(fig, ax, handles)
+  return _save(fig, path, also)
 
 
 def _new_figure(figsize: tuple[float, float]):

@@ -10,6 +10,8 @@ and the orderings the routers exist for hold on a workload built for them.
 
 from __future__ import annotations
 
+import tomllib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -300,3 +302,60 @@ def test_bad_arguments_are_refused(rng):
   with pytest.raises(ValueError, match="router 'e2'"):
     get_router("e2", bogus=1)
   assert "cache_aware" in router_names()
+
+
+def test_a_sweep_of_routers_gives_the_rows_of_direct_calls(rng, tmp_path):
+  from prefixjax.sweep import parse_spec, run_sweep
+
+  seed = int(rng.integers(1000))
+  text = f"""
+[sweep]
+name = "routed"
+
+[workloads.w]
+generator = "system_prompt"
+requests = 30
+seed = {seed}
+
+[workloads.w.params]
+num_prompts = 4
+prompt_len = [32, 96]
+question_len = [4, 16]
+output_len = [2, 8]
+
+[simulate]
+router = ["round_robin", "cache_aware"]
+route_mode = ["exact", "approximate"]
+replicas = 2
+block_size = 16
+num_blocks = 48
+max_num_seqs = 4
+max_num_batched_tokens = 128
+max_model_len = 512
+arrivals = "trace"
+step_time_ms = 10.0
+"""
+  spec = parse_spec(tomllib.loads(text), source=str(tmp_path / "routed.toml"))
+  res = run_sweep(spec, tmp_path / "out", progress=False)
+  trace = spec.workloads["w"].load()
+  config = ServingConfig(
+    num_gpu_blocks=49,
+    block_size=16,
+    max_num_seqs=4,
+    max_num_batched_tokens=128,
+    max_model_len=512,
+  )
+  assert len(res.rows) == 4
+  for row in res.rows:
+    direct = simulate_cluster(
+      trace,
+      config,
+      replicas=2,
+      router=row["router"],
+      mode=row["route_mode"],
+      arrivals="trace",
+      step_time_ms=10.0,
+    ).metrics()
+    for key in ("token_hit_rate", "imbalance", "ttft_s_p99", "finished"):
+      assert row[key] == direct[key], key
+  assert list((tmp_path / "out" / "plots").glob("routers_w.png"))

@@ -9,7 +9,10 @@
 * ``schedulers_<workload>``: TTFT p99 and throughput per scheduler (means
   over the other fields, min-max bars), for simulate rows with two or more
   schedulers; one series per value of the first field that varies among
-  ``rate``, ``num_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``.
+  ``rate``, ``num_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``;
+* ``routers_<workload>``: hit rate against load imbalance per router and
+  route mode (exact filled, approximate hollow), for routed simulate rows
+  with two or more routers.
 """
 
 from __future__ import annotations
@@ -95,7 +98,19 @@ def sweep_plots(
       warmup_fraction=warm,
       also=("pdf",),
     )
-  simulated = [r for r in rows if r["mode"] == "simulate"]
+  simulated = [
+    r for r in rows if r["mode"] == "simulate" and r.get("router") is None
+  ]
+  routed = [r for r in rows if r["mode"] == "simulate" and r.get("router")]
+  for (w,), part in _slices(routed, ("workload",)).items():
+    if len({r["router"] for r in part}) < 2:
+      continue
+    written += plots.plot_routers(
+      part,
+      folder / f"routers_{_slug(w)}.png",
+      trace=_trace_label(spec, w),
+      also=("pdf",),
+    )
   for (w,), part in _slices(simulated, ("workload",)).items():
     if len({r["scheduler"] for r in part}) < 2:
       continue

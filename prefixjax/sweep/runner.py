@@ -177,10 +177,38 @@ def _replay_group(trace, points: Sequence[Point]):
   return rows, result.timing.compile_s, result.timing.run_s
 
 
+def _cluster_group(trace, points: Sequence[Point], vectorize):
+  """Routed points, one :func:`prefixjax.routing.simulate_cluster` each."""
+  from prefixjax.routing import simulate_cluster
+
+  start = time.perf_counter()
+  rows = []
+  for p in points:
+    r = simulate_cluster(
+      trace,
+      serving_config(dict(p.params)),
+      replicas=p.get("replicas"),
+      router=p.get("router"),
+      mode=p.get("route_mode"),
+      arrivals=p.get("arrivals"),
+      step_time_ms=p.get("step_time_ms"),
+      rate=p.get("rate"),
+      seed=p.get("seed"),
+      vectorize=vectorize,
+    )
+    m = {k: _plain(v) for k, v in r.metrics().items() if k != "mode"}
+    m.pop("router", None)
+    m.pop("replicas", None)
+    rows.append({"hit_rate": m["token_hit_rate"], "status": r.status, **m})
+  return rows, None, time.perf_counter() - start
+
+
 def _simulate_group(trace, points: Sequence[Point], vectorize, devices):
   from prefixjax.serving import simulate_batch
 
   p0 = points[0]
+  if p0.get("router") is not None:
+    return _cluster_group(trace, points, vectorize)
   configs = [serving_config(dict(p.params)) for p in points]
   roofline = p0.get("clock") == "roofline"
   start = time.perf_counter()
@@ -217,6 +245,9 @@ _SIM_SHARED = (
   "model",
   "hardware",
   "arrivals",
+  "router",
+  "replicas",
+  "route_mode",
 )
 
 
@@ -494,11 +525,15 @@ _TABLE = {
   "simulate": (
     ("workload", "workload", "{}"),
     ("scheduler", "scheduler", "{}"),
+    ("router", "router", "{}"),
+    ("route_mode", "view", "{}"),
+    ("replicas", "replicas", "{}"),
     ("num_blocks", "blocks", "{:,}"),
     ("max_num_seqs", "seqs", "{}"),
     ("rate", "rate/s", "{:g}"),
     ("seed", "seed", "{}"),
     ("hit_rate", "hit rate", "{:.1%}"),
+    ("imbalance", "imbalance", "{:.2f}"),
     ("preemptions", "preempt", "{:,}"),
     ("ttft_s_p99", "TTFT p99 s", "{:.3f}"),
     ("throughput_tokens_per_s", "tok/s", "{:,.0f}"),
@@ -526,6 +561,7 @@ def results_table(rows: Sequence[dict[str, Any]]) -> str:
         "ceiling_hit_rate",
         "policy",
         "scheduler",
+        "imbalance",
       )
     ]
     keep = [c for c in keep if any(r.get(c[0]) is not None for r in mine)]

@@ -166,6 +166,12 @@ def _schedulers():
   return scheduler_names()
 
 
+def _routers():
+  from prefixjax.routing import router_names
+
+  return router_names()
+
+
 def _models():
   from prefixjax import configs
 
@@ -220,15 +226,27 @@ SIMULATE_FIELDS: dict[str, _Field] = {
   "arrivals": _Field(_choice(lambda: ("zero", "trace", "poisson")), "zero"),
   "rate": _Field(_optional(_float(0.0, open_low=True)), None),
   "seed": _Field(_int(0), 0),
+  "router": _Field(
+    _optional(_choice(_routers)),
+    None,
+    help="route over replicas (prefixjax.routing.simulate_cluster)",
+  ),
+  "replicas": _Field(_int(1), 1, help="engines behind the router"),
+  "route_mode": _Field(
+    _choice(lambda: ("exact", "approximate")),
+    "exact",
+    help="what a cache-reading router sees of each replica's cache",
+  ),
 }
-"""Fields of a simulate point (:func:`prefixjax.serving.simulate`)."""
+"""Fields of a simulate point (:func:`prefixjax.serving.simulate`, or
+:func:`prefixjax.routing.simulate_cluster` with a ``router``)."""
 
 _FIELDS = {"replay": REPLAY_FIELDS, "simulate": SIMULATE_FIELDS}
 _TOP = ("sweep", "workloads", "replay", "simulate", "points", "full")
 _SWEEP_KEYS = ("name", "description", "vectorize")
 _WORKLOAD_KEYS = ("generator", "requests", "seed", "params", "trace")
 _TRACE_KEYS = ("trace", "format", "limit")
-_NOT_YET = {"router": "routing is not implemented yet (issue 16)"}
+_NOT_YET: dict[str, str] = {}
 
 
 def _unknown(where: str, key: str, known: Sequence[str]):
@@ -728,6 +746,16 @@ def _check_simulate(params, where):
     msg = msg.replace("num_gpu_blocks=", "num_blocks+1=", 1)
     raise SpecError(f"{where}: simulate: {msg}") from None
   shown = {k: v for k, v in params.items() if k != "workload"}
+  if params["router"] is None and params["replicas"] != 1:
+    raise SpecError(
+      f"{where}: simulate.replicas={params['replicas']} needs a router "
+      f"(point {shown})"
+    )
+  if params["router"] is not None and params["clock"] != "steps":
+    raise SpecError(
+      f"{where}: simulate.router: routed replicas run on clock=steps only "
+      f"(point {shown})"
+    )
   if params["clock"] == "steps":
     if params["arrivals"] != "zero" and params["step_time_ms"] is None:
       raise SpecError(
