@@ -213,6 +213,7 @@ def _small_spec(rng, tmp_path, *, simulate_points=True):
 generator = "system_prompt"
 requests = {int(rng.integers(30, 60))}
 seed = {seed}
+params = {{ num_prompts = 3, prompt_len = [64, 256] }}
 
 [replay]
 policy = ["fifo", "lru_leaf"]
