@@ -436,7 +436,6 @@ def test_fork_sampling_gives_fan_out_bits_with_less_prefill(rng, fork):
     assert s["prefill_tokens_computed"] == sum(lens)
     assert s["hit_tokens"] == 0
     assert s["cow_copies"] == 2 * sum(n % k != 0 for n in lens)
-    assert s["blocks_peak"] < fanned.stats["blocks_peak"]
   else:
     assert s["preemptions"] > 0 or s["cow_copies"] < 2 * len(lens)
   assert s["prefill_tokens_computed"] < fanned.stats["prefill_tokens_computed"]
