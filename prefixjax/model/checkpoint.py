@@ -22,8 +22,6 @@ same bits.
 from __future__ import annotations
 
 import dataclasses
-import os
-import pathlib
 import time
 
 import jax
@@ -32,19 +30,13 @@ import orbax.checkpoint as ocp
 
 from prefixjax.configs import ModelConfig
 from prefixjax.model.engine import CacheConfig, Engine, Generation
-from prefixjax.model.llama import init_params
+from prefixjax.model.llama import checkpoint_path, init_params
 from prefixjax.serving import schedulers as sch
 from prefixjax.serving.simulate import build_inputs
 
 __all__ = ["restore", "save"]
 
 _FORMAT = "prefixjax-engine-1"
-
-
-def _path(path) -> pathlib.Path:
-  if not isinstance(path, (str, os.PathLike)):
-    raise TypeError(f"path must be a str or os.PathLike, got {path!r}")
-  return pathlib.Path(os.path.abspath(os.fspath(path)))
 
 
 def _scheduler_name(engine: Engine) -> str:
@@ -110,7 +102,7 @@ def _generation_meta(gen: Generation) -> dict:
     records.append(out)
   meta = dict(
     records=records,
-    salt=np.asarray(gen.salt_real).tolist(),
+    salt=gen.salt[: gen.num_real].tolist(),
     seed=gen.seed,
     temperature=gen.temperature,
     eos_id=gen.eos_id,
@@ -158,7 +150,7 @@ def save(engine: Engine, path, generation: Generation | None = None) -> None:
       )
     if generation.eng is not engine:
       raise ValueError("the generation belongs to another engine")
-  target = _path(path)
+  target = checkpoint_path(path)
   if target.exists():
     raise FileExistsError(
       f"refusing to overwrite {str(target)!r}: a checkpoint is a new directory"
@@ -195,7 +187,7 @@ def restore(path) -> tuple[Engine, Generation | None]:
     FileNotFoundError: no checkpoint at ``path``.
     ValueError: a checkpoint of another format.
   """
-  source = _path(path)
+  source = checkpoint_path(path)
   if not (source / "meta").is_dir() or not (source / "engine").is_dir():
     raise FileNotFoundError(
       f"no engine checkpoint at {str(source)!r} (needs 'meta' and 'engine')"

@@ -546,7 +546,6 @@ class Generation:
     self.t0 = time.perf_counter()
     self.setup_s = 0.0
     self.records = records[: self.num_real]
-    self.salt_real = salt
     self.return_logits = logits
 
   def _keys(self):

@@ -96,6 +96,7 @@ __all__ = [
   "Llama",
   "RMSNorm",
   "check_params",
+  "checkpoint_path",
   "dense_attention",
   "init_params",
   "num_params",
@@ -580,7 +581,8 @@ def check_params(params, config: ModelConfig) -> None:
       )
 
 
-def _checkpoint_path(path) -> pathlib.Path:
+def checkpoint_path(path) -> pathlib.Path:
+  """``path`` (str or PathLike) as an absolute :class:`pathlib.Path`."""
   if not isinstance(path, (str, os.PathLike)):
     raise TypeError(f"path must be a str or os.PathLike, got {path!r}")
   return pathlib.Path(os.path.abspath(os.fspath(path)))
@@ -609,7 +611,7 @@ def save_params(params, path, *, config: ModelConfig) -> None:
     ValueError: ``params`` do not match ``config``'s tree, shapes, dtypes.
   """
   _check_config(config)
-  target = _checkpoint_path(path)
+  target = checkpoint_path(path)
   if target.exists():
     raise FileExistsError(
       f"refusing to overwrite existing path {str(target)!r}; save_params "
@@ -644,7 +646,7 @@ def restore_params(path, config: ModelConfig) -> dict:
     ValueError: the saved config differs; the message names the fields.
   """
   _check_config(config)
-  source = _checkpoint_path(path)
+  source = checkpoint_path(path)
   if not source.is_dir():
     raise FileNotFoundError(f"no checkpoint directory at {str(source)!r}")
   if not (source / "config").is_dir() or not (source / "params").is_dir():
