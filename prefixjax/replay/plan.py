@@ -257,8 +257,15 @@ def plan_trace(
 
 def points_of_events(plan, policy, capacity, event_hits, filled) -> ReplayPoint:
   """The point of ``[E]`` hit tokens per block event."""
-  per_kept = np.zeros(plan.num_kept, np.int64)
-  np.add.at(per_kept, plan.request, event_hits)
+  # bincount, not np.add.at (about 20x slower): float64 sums of integer
+  # token counts are exact below 2**53.
+  per_kept = np.rint(
+    np.bincount(
+      plan.request,
+      weights=np.asarray(event_hits, np.float64),
+      minlength=plan.num_kept,
+    )
+  ).astype(np.int64)
   return points_of_kept(plan, policy, capacity, per_kept, filled)
 
 
@@ -301,7 +308,12 @@ def replay_ceiling(plan: ReplayPlan) -> ReplayPoint:
   """
   seen_before = np.zeros(plan.num_events, bool)
   first_seen = np.full(plan.unique_blocks + 1, np.iinfo(np.int32).max)
-  np.minimum.at(first_seen, plan.node, plan.request)
+  if plan.num_events and np.all(plan.request[1:] >= plan.request[:-1]):
+    # Events in request order: a node's first event has its first request.
+    nodes, first = np.unique(plan.node, return_index=True)
+    first_seen[nodes] = plan.request[first]
+  else:
+    np.minimum.at(first_seen, plan.node, plan.request)
   seen_before = first_seen[plan.node] < plan.request
   # The run from each request's start: a cumulative AND within the request.
   starts = np.flatnonzero(plan.first)

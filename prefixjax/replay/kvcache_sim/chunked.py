@@ -165,8 +165,13 @@ def chunk_points(plan, policy, capacities, request, hits, filled):
   filled = np.asarray(filled)
   points = []
   for i, capacity in enumerate(capacities):
-    per_kept = np.zeros(plan.num_kept, np.int64)
-    np.add.at(per_kept, request, hits[i])
+    per_kept = np.rint(
+      np.bincount(
+        request,
+        weights=hits[i].astype(np.float64),
+        minlength=plan.num_kept,
+      )
+    ).astype(np.int64)
     event_hits = np.where(cols < per_kept[plan.request], plan.weight, 0)
     points.append(
       points_of_events(plan, policy, capacity, event_hits, bool(filled[i]))
