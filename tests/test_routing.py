@@ -10,6 +10,10 @@ and the orderings the routers exist for hold on a workload built for them.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import tomllib
 
 import jax
@@ -26,6 +30,7 @@ from prefixjax.routing import (
 )
 from prefixjax.routing import cluster as cl
 from prefixjax.serving import ServingConfig
+from prefixjax.serving.simulate import build_inputs, prepare_records
 from prefixjax.workloads import synthetic
 
 CONFIG = ServingConfig(
@@ -185,11 +190,15 @@ def test_e2_balances_by_the_work_in_its_window(rng):
 
 def test_approximate_view_is_an_lru_of_routed_block_hashes(rng):
   k, m, cap, p = 4, 6, 5, 2
+  ttl = int(rng.integers(2, 6))
+  max_blocks = int(rng.integers(1, m + 1))
   cs = cl.ClusterState(
     replicas=None,
     router=(),
     view_keys=jnp.zeros((p, cap, 2), jnp.uint32),
     view_stamp=jnp.full((p, cap), -1, jnp.int32),
+    view_time=jnp.zeros((p, cap), jnp.int32),
+    view_ttl=jnp.int32(ttl),
     route=jnp.zeros((1,), jnp.int32),
     num_arrived=jnp.int32(0),
     routed=jnp.int32(0),
@@ -197,20 +206,26 @@ def test_approximate_view_is_an_lru_of_routed_block_hashes(rng):
     num_steps=jnp.int32(0),
     error=jnp.int32(0),
   )
-  # The Python model: per replica ``cap`` slots of [key, stamp]; a routed
-  # key already there is refreshed, a new one takes the first slot with the
-  # oldest stamp (empty slots first).
-  slots = [[[None, -1] for _ in range(cap)] for _ in range(p)]
+  # The Python model: per replica ``cap`` slots of [key, stamp, step]; a
+  # routed key already there is refreshed, a new one takes the first slot
+  # with the oldest stamp (empty slots first); an entry routed at step t is
+  # seen while step - t < ttl, and a match stops at ``max_blocks``.
+  slots = [[[None, -1, 0] for _ in range(cap)] for _ in range(p)]
   vocab = rng.integers(1, 1 << 30, (8, 2)).astype(np.uint32)
+  step = 0
   for t in range(30):
+    step += int(rng.integers(0, 3))
+    cs = cs.replace(step=jnp.int32(step))
     keys = vocab[rng.integers(0, 8, m)]
     plen = int(rng.integers(1, m * k + 1))
     replica = int(rng.integers(0, p))
-    got = np.asarray(cl._approx_match(cs, jnp.asarray(keys), plen, k))
+    got = np.asarray(
+      cl._approx_match(cs, jnp.asarray(keys), plen, k, max_blocks)
+    )
     for q in range(p):
-      held = {s[0] for s in slots[q] if s[1] >= 0}
+      held = {s[0] for s in slots[q] if s[1] >= 0 and step - s[2] < ttl}
       run = 0
-      for j in range((plen - 1) // k):
+      for j in range(min((plen - 1) // k, max_blocks)):
         if tuple(keys[j]) not in held:
           break
         run += 1
@@ -222,7 +237,36 @@ def test_approximate_view_is_an_lru_of_routed_block_hashes(rng):
       row = slots[replica]
       same = [i for i, s in enumerate(row) if s[1] >= 0 and s[0] == key]
       i = same[0] if same else min(range(cap), key=lambda i: row[i][1])
-      row[i] = [key, t]
+      row[i] = [key, t, step]
+
+
+def test_each_router_keeps_the_view_its_product_keeps(rng):
+  # The LRU's size, expiry and longest match: cited defaults, in blocks of
+  # the replica's block size, and cut to the trace's distinct blocks.
+  trace = _trace(rng, n=30)
+  k = CONFIG.block_size
+  cases = {
+    "cache_aware": (2**26 // k, None),
+    "kv_cost": (2**20 * 16 // k, 120.0),
+    "llm_d": (31250 * 16 // k, None),
+    "e2": (None, None),
+  }
+  records = prepare_records(trace)
+  _, reqs, _, _ = build_inputs(records, CONFIG, "trace", 10.0, None, 0)
+  keys = np.asarray(reqs.keys)
+  plen = np.asarray(reqs.prompt_len)
+  distinct = {
+    tuple(keys[i, j]) for i in range(len(plen)) for j in range(plen[i] // k)
+  }
+  for name, (cap, ttl_s) in cases.items():
+    router = get_router(name)
+    slots, ttl = cl._view_shape(router, reqs, CONFIG, None, 10.0)
+    pow2 = 1 << (len(distinct) - 1).bit_length()
+    assert slots == (pow2 if cap is None else min(pow2, cap)), name
+    assert ttl == (np.iinfo(np.int32).max if ttl_s is None else 12000), name
+    small, _ = cl._view_shape(router, reqs, CONFIG, 3, 10.0)
+    assert small == 3
+  assert get_router("llm_d").view.max_match_tokens == 4096
 
 
 def test_routers_order_as_expected_on_a_shared_prompt_workload():
@@ -242,7 +286,6 @@ def test_routers_order_as_expected_on_a_shared_prompt_workload():
     ("round_robin", "exact"),
     ("least_load", "exact"),
     ("cache_aware", "exact"),
-    ("cache_aware", "approximate"),
     ("kv_cost", "exact"),
     ("e2", "exact"),
   ]:
@@ -265,24 +308,119 @@ def test_routers_order_as_expected_on_a_shared_prompt_workload():
     m["least_load", "exact"]["imbalance"]
     < m["cache_aware", "exact"]["imbalance"]
   )
-  # Exact views see evictions, the approximate one does not: never worse.
-  assert (
-    m["cache_aware", "exact"]["token_hit_rate"]
-    >= m["cache_aware", "approximate"]["token_hit_rate"] - 0.02
+
+
+def test_cache_aware_reading_the_real_caches_beats_its_own_view():
+  """SGLang's gateway sees only the prompts it routed; a replica's cache
+  also holds the outputs a chat's next turn resends, and forgets what it
+  evicted. On the built-in workload (multi-turn chat + shared system
+  prompts) with room for most of it, the exact view crosses the 0.3
+  match threshold where the gateway's does not. A finding on a fixed
+  workload (seeds 1-3 gave +5.7, +5.0, +5.9 points; under heavy eviction
+  pressure the approximate view's stickiness wins instead, see the
+  README's Routing section)."""
+  trace = synthetic.default_workload(num_requests=200, seed=1)
+  config = ServingConfig(
+    num_gpu_blocks=256,
+    block_size=16,
+    max_num_seqs=16,
+    max_num_batched_tokens=1024,
+    max_model_len=1024,
   )
+  rate = {}
+  for mode in ("exact", "approximate"):
+    res = simulate_cluster(
+      trace,
+      config,
+      replicas=4,
+      router="cache_aware",
+      mode=mode,
+      arrivals="poisson",
+      rate=16.0,
+      step_time_ms=25.0,
+      seed=1,
+    )
+    assert res.status == "OK"
+    rate[mode] = res.metrics()["token_hit_rate"]
+  print(rate)
+  assert rate["exact"] > rate["approximate"] + 0.02
+
+
+_EIGHT = """
+import json, sys
+import jax
+import numpy as np
+from prefixjax.routing import simulate_cluster
+from prefixjax.serving import ServingConfig
+from prefixjax.workloads import synthetic
+
+args = json.loads(sys.argv[1])
+assert len(jax.devices()) == 8, jax.devices()
+w = args["workload"]
+w = {k: tuple(v) if isinstance(v, list) else v for k, v in w.items()}
+trace = synthetic.generate_workload("system_prompt", **w)
+res = simulate_cluster(
+  trace, ServingConfig(**args["config"]), devices=jax.devices(), **args["run"]
+)
+print(json.dumps(dict(
+  route=res.route.tolist(),
+  finish_step=res.finish_step.tolist(),
+  hit_first_sched=res.hit_first_sched.tolist(),
+  metrics=res.metrics(),
+)))
+"""
 
 
 def test_replicas_sharded_over_eight_devices_equal_one(rng):
-  devices = jax.devices()
-  assert len(devices) == 8  # tests/conftest.py fakes eight CPU devices
-  trace = _trace(rng, n=40)
-  kw = dict(replicas=8, router="kv_cost", arrivals="trace", step_time_ms=10.0)
-  one = simulate_cluster(trace, CONFIG, vectorize=True, **kw)
-  eight = simulate_cluster(trace, CONFIG, vectorize=True, devices=devices, **kw)
-  np.testing.assert_array_equal(eight.route, one.route)
-  np.testing.assert_array_equal(eight.finish_step, one.finish_step)
-  np.testing.assert_array_equal(eight.hit_first_sched, one.hit_first_sched)
-  assert eight.metrics() == one.metrics()
+  """The replica axis sharded over 8 faked CPU devices, in a subprocess
+  (``--xla_force_host_platform_device_count=8`` set before jax is
+  imported), against the same run unsharded here."""
+  workload = dict(
+    num_requests=40,
+    seed=int(rng.integers(1 << 30)),
+    num_prompts=5,
+    prompt_len=[48, 160],
+    question_len=[4, 40],
+    output_len=[4, 20],
+    rate=60.0,
+  )
+  config = dict(
+    num_gpu_blocks=60,
+    block_size=16,
+    max_num_seqs=6,
+    max_num_batched_tokens=192,
+    max_model_len=512,
+  )
+  run = dict(
+    replicas=8,
+    router=str(rng.choice(["kv_cost", "cache_aware", "e2"])),
+    mode=str(rng.choice(["exact", "approximate"])),
+    arrivals="trace",
+    step_time_ms=10.0,
+    vectorize=True,
+  )
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-c",
+      _EIGHT,
+      json.dumps(dict(workload=workload, config=config, run=run)),
+    ],
+    check=True,
+    capture_output=True,
+    env=env,
+  )
+  eight = json.loads(out.stdout.decode().strip().splitlines()[-1])
+  trace = synthetic.generate_workload(
+    "system_prompt",
+    **{k: tuple(v) if isinstance(v, list) else v for k, v in workload.items()},
+  )
+  one = simulate_cluster(trace, ServingConfig(**config), **run)
+  assert eight["route"] == one.route.tolist()
+  assert eight["finish_step"] == one.finish_step.tolist()
+  assert eight["hit_first_sched"] == one.hit_first_sched.tolist()
+  assert eight["metrics"] == json.loads(json.dumps(one.metrics()))
 
 
 def test_bad_arguments_are_refused(rng):

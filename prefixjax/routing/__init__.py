@@ -15,6 +15,7 @@ from prefixjax.routing.cluster import (
   simulate_cluster,
 )
 from prefixjax.routing.routers import (
+  ApproxView,
   Router,
   RouteView,
   get_router,
@@ -24,6 +25,7 @@ from prefixjax.routing.routers import (
 
 __all__ = [
   "MODES",
+  "ApproxView",
   "ClusterResult",
   "ClusterState",
   "RouteView",

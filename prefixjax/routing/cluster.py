@@ -19,10 +19,13 @@ step:
 ``mode`` decides what ``match_tokens`` is. ``"exact"``: each replica's
 prefix cache looked up (:func:`prefixjax.cache.prefix_cache.match`, whole
 blocks, capped at the prompt's last token). ``"approximate"``: the
-router's own picture, a per-replica LRU set of ``approx_capacity`` block
-hashes holding the full prompt blocks of the requests it sent there
-(llm-d keeps such an LRU per pod; SGLang's gateway a tree per worker over
-the routed text), which never hears of evictions.
+router's own picture, a per-replica LRU of the block hashes of the full
+prompt blocks of the requests it sent there, which never hears of
+evictions. Its size, expiry and longest match are the router's
+(:class:`~prefixjax.routing.routers.ApproxView`: SGLang's gateway a tree
+of ``2**26`` tokens per worker, Dynamo a 120 s time-to-live, llm-d 31,250
+blocks of 16 tokens per pod). An LRU never full evicts nothing, so the
+arrays hold ``min(capacity, distinct prompt blocks in the trace)`` slots.
 
 A request never routed to a replica stays ``WAITING`` (unqueued) in that
 replica's arrays; ``ClusterState.route`` says where each request went.
@@ -62,7 +65,10 @@ class ClusterState:
       with a leading ``[P]`` axis.
     router: the router's state.
     view_keys: ``[P, A, 2]`` uint32 the approximate view's block hashes.
-    view_stamp: ``[P, A]`` int32 when each was last routed (-1: empty).
+    view_stamp: ``[P, A]`` int32 when each was last routed, in routed
+      requests (the LRU order; -1: empty).
+    view_time: ``[P, A]`` int32 the step it was last routed in.
+    view_ttl: ``[]`` int32 steps an entry lives unrouted.
     route: ``[R]`` int32 the replica of each routed request (-1 before).
     num_arrived: ``[]`` int32 entries of ``arrival_order`` routed (or
       rejected).
@@ -76,6 +82,8 @@ class ClusterState:
   router: Any
   view_keys: jax.Array
   view_stamp: jax.Array
+  view_time: jax.Array
+  view_ttl: jax.Array
   route: jax.Array
   num_arrived: jax.Array
   routed: jax.Array
@@ -84,13 +92,19 @@ class ClusterState:
   error: jax.Array
 
 
-def _approx_match(cs: ClusterState, keys, prompt_len, k) -> jax.Array:
-  """``[P]`` leading prompt blocks in each replica's approximate view."""
+def _approx_match(
+  cs: ClusterState, keys, prompt_len, k, max_blocks: int | None = None
+) -> jax.Array:
+  """``[P]`` tokens of the leading prompt blocks in each replica's
+  approximate view (live entries only; at most ``max_blocks``)."""
   m = keys.shape[0]
   usable = jnp.arange(m) < (prompt_len - 1) // k  # the exact match's cap
+  if max_blocks is not None:
+    usable &= jnp.arange(m) < max_blocks
+  live = (cs.view_stamp >= 0) & (cs.step - cs.view_time < cs.view_ttl)
   hit = jnp.any(
     (cs.view_keys[:, None, :, :] == keys[None, :, None, :]).all(-1)
-    & (cs.view_stamp[:, None, :] >= 0),
+    & live[:, None, :],
     axis=2,
   )  # [P, M]
   run = jnp.cumprod((hit & usable[None]).astype(jnp.int32), axis=1)
@@ -104,27 +118,36 @@ def _remember(
   (present ones refreshed, others replace the least recently routed)."""
   keys_p = cs.view_keys[replica]
   stamp_p = cs.view_stamp[replica]
+  time_p = cs.view_time[replica]
 
   def body(j, carry):
-    keys_p, stamp_p = carry
+    keys_p, stamp_p, time_p = carry
     key = keys[j]
     same = (keys_p == key[None]).all(-1) & (stamp_p >= 0)
     slot = jnp.where(same.any(), jnp.argmax(same), jnp.argmin(stamp_p)).astype(
       jnp.int32
     )
-    return keys_p.at[slot].set(key), stamp_p.at[slot].set(cs.routed)
+    return (
+      keys_p.at[slot].set(key),
+      stamp_p.at[slot].set(cs.routed),
+      time_p.at[slot].set(cs.step),
+    )
 
-  keys_p, stamp_p = jax.lax.fori_loop(
-    0, jnp.where(ok, prompt_len // k, 0), body, (keys_p, stamp_p)
+  keys_p, stamp_p, time_p = jax.lax.fori_loop(
+    0, jnp.where(ok, prompt_len // k, 0), body, (keys_p, stamp_p, time_p)
   )
   return cs.replace(
     view_keys=cs.view_keys.at[replica].set(keys_p),
     view_stamp=cs.view_stamp.at[replica].set(stamp_p),
+    view_time=cs.view_time.at[replica].set(time_p),
   )
 
 
-def route_view(cs: ClusterState, reqs, params, rid, mode: str) -> rt.RouteView:
-  """What the router sees of every replica when ``rid`` arrives."""
+def route_view(
+  cs: ClusterState, reqs, params, rid, mode: str, max_blocks: int | None = None
+) -> rt.RouteView:
+  """What the router sees of every replica when ``rid`` arrives
+  (``max_blocks``: the approximate view's longest match)."""
   reps = cs.replicas
   cache = reps.cache
   k = cache.block_size
@@ -134,7 +157,7 @@ def route_view(cs: ClusterState, reqs, params, rid, mode: str) -> rt.RouteView:
   if mode == "exact":
     match = jax.vmap(lambda c: pc.match(c, keys, plen).hit_tokens)(cache)
   else:
-    match = _approx_match(cs, keys, plen, k)
+    match = _approx_match(cs, keys, plen, k, max_blocks)
   mine = cs.route[None, :] == jnp.arange(p, dtype=jnp.int32)[:, None]
   status = reps.status
   live = mine & (
@@ -185,7 +208,10 @@ def _route_arrivals(cs, reqs, params, router, scheduler, mode):
   def body(cs):
     rid = reqs.arrival_order[cs.num_arrived]
     ok = cs.replicas.status[0, rid] == Status.WAITING  # not rejected
-    view = route_view(cs, reqs, params, rid, mode)
+    cap = router.view.max_match_tokens
+    view = route_view(
+      cs, reqs, params, rid, mode, None if cap is None else cap // k
+    )
     replica = jnp.clip(router.pick(cs.router, view, rid), 0, p - 1)
     replica = replica.astype(jnp.int32)
     lanes = (jnp.arange(p) == replica) & ok
@@ -423,6 +449,29 @@ def _int(name, value, low):
   return int(value)
 
 
+def _view_shape(router, reqs, config, capacity, step_time_ms):
+  """``(slots, ttl steps)`` of the approximate view: the LRU's capacity in
+  blocks, cut to the distinct full prompt blocks of the trace (then it
+  never evicts either way) rounded up to a power of two."""
+  k = config.block_size
+  spec = router.view
+  if capacity is None and spec.capacity_tokens is not None:
+    capacity = max(spec.capacity_tokens // k, 1)
+  keys = np.asarray(reqs.keys)
+  full = (
+    np.arange(keys.shape[1])[None, :]
+    < (np.asarray(reqs.prompt_len) // k)[:, None]
+  )
+  distinct = max(len(np.unique(keys[full].reshape(-1, 2), axis=0)), 1)
+  slots = 1 << (distinct - 1).bit_length()
+  if capacity is not None:
+    slots = min(slots, capacity)
+  never = np.iinfo(np.int32).max
+  if spec.ttl_s is None or not step_time_ms:
+    return slots, never
+  return slots, int(min(np.ceil(spec.ttl_s * 1e3 / step_time_ms), never))
+
+
 def simulate_cluster(
   trace,
   config: ServingConfig,
@@ -431,7 +480,7 @@ def simulate_cluster(
   router: str | rt.Router = "round_robin",
   router_params: dict | None = None,
   mode: str = "exact",
-  approx_capacity: int = 4096,
+  approx_capacity: int | None = None,
   arrivals: str = "zero",
   step_time_ms: float | None = None,
   rate: float | None = None,
@@ -449,7 +498,9 @@ def simulate_cluster(
     router: a registered name (:func:`prefixjax.routing.router_names`) or
       a :class:`~prefixjax.routing.Router`; ``router_params`` build it.
     mode: ``"exact"`` or ``"approximate"`` (module docstring).
-    approx_capacity: block hashes per replica in the approximate view.
+    approx_capacity: block hashes per replica in the approximate view
+      (default: the router's :class:`~prefixjax.routing.routers.ApproxView`
+      ``capacity_tokens // block_size``, unbounded when None).
     arrivals, step_time_ms, rate, seed: as :func:`prefixjax.serving.
       simulate` (the steps clock).
     max_steps: rows of the step buffers; by default doubled while the run
@@ -474,7 +525,8 @@ def simulate_cluster(
       f"{config.parallel_sampling!r}"
     )
   p = _int("replicas", replicas, 1)
-  a = _int("approx_capacity", approx_capacity, 1)
+  if approx_capacity is not None:
+    _int("approx_capacity", approx_capacity, 1)
   if mode not in MODES:
     raise ValueError(f"mode={mode!r} must be one of {MODES}")
   router = rt.get_router(router, **(router_params or {}))
@@ -493,6 +545,9 @@ def simulate_cluster(
     records, config, arrivals, step_time_ms, rate, seed
   )
   r = len(records)
+  a, ttl = _view_shape(router, reqs, config, approx_capacity, step_time_ms)
+  if mode != "approximate":
+    a = 1
   reps = jax.tree.map(lambda x: jnp.stack([x] * p), state)
   if devices is not None:
     mesh = jax.sharding.Mesh(np.asarray(devices), ("replicas",))
@@ -503,8 +558,10 @@ def simulate_cluster(
   cs = ClusterState(
     replicas=reps,
     router=router.init(p, r),
-    view_keys=jnp.zeros((p, a if mode == "approximate" else 1, 2), jnp.uint32),
-    view_stamp=jnp.full((p, a if mode == "approximate" else 1), -1, jnp.int32),
+    view_keys=jnp.zeros((p, a, 2), jnp.uint32),
+    view_stamp=jnp.full((p, a), -1, jnp.int32),
+    view_time=jnp.zeros((p, a), jnp.int32),
+    view_ttl=jnp.int32(ttl),
     route=jnp.full((r,), -1, jnp.int32),
     num_arrived=jnp.int32(0),
     routed=jnp.int32(0),

@@ -14,8 +14,9 @@ for this request (``match_tokens``). Whether that match is the replica's
 real cache or the router's own picture of it is the cluster's ``mode``
 (:mod:`prefixjax.routing.cluster`: ``"exact"`` reads each replica's prefix
 cache, ``"approximate"`` a per-replica LRU of the block hashes the router
-itself sent there, as production routers keep one), so every cache-reading
-router runs in both modes unchanged.
+itself sent there, as production routers keep one, sized, aged and capped
+as that router's product does: :class:`ApproxView`), so every
+cache-reading router runs in both modes unchanged.
 
 Rules and defaults, each cited in its factory's docstring: ``round_robin``,
 ``least_load``, ``cache_aware`` (SGLang's gateway), ``kv_cost`` (Dynamo's
@@ -33,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = [
+  "ApproxView",
   "RouteView",
   "Router",
   "get_router",
@@ -88,11 +90,32 @@ def _keep(state, view, rid, replica):
   return state
 
 
+class ApproxView(NamedTuple):
+  """How a router's own picture of a replica's cache (the cluster's
+  ``"approximate"`` mode) is kept: an LRU of the block hashes of the
+  prompts it routed there, as production routers keep one.
+
+  Attributes:
+    capacity_tokens: the LRU's size in tokens (``capacity_tokens // K``
+      block hashes per replica); None: unbounded.
+    ttl_s: an entry not routed again for this long is forgotten (needs the
+      clock's ``step_time_ms``; without one entries never expire); None:
+      never.
+    max_match_tokens: the longest match the router looks for; None: the
+      whole prompt.
+  """
+
+  capacity_tokens: int | None = None
+  ttl_s: float | None = None
+  max_match_tokens: int | None = None
+
+
 class Router(NamedTuple):
   """A routing policy (see the module docstring for the protocol).
 
   ``reads_cache``: the policy reads ``match_tokens`` (then the cluster's
-  mode, exact or approximate, matters).
+  mode, exact or approximate, matters). ``view``: how it keeps its
+  approximate view (:class:`ApproxView`).
   """
 
   name: str
@@ -100,6 +123,7 @@ class Router(NamedTuple):
   init: Callable[[int, int], Any] = _no_state
   on_route: Callable[..., Any] = _keep
   reads_cache: bool = False
+  view: ApproxView = ApproxView()
 
 
 def _first_min(x: jax.Array) -> jax.Array:
@@ -162,6 +186,12 @@ def cache_aware(
   the least loaded. Otherwise route to the replica with the longest match
   if ``match / prompt > cache_threshold``, else to the least loaded (the
   rule of issue 16; the gateway itself then picks the smallest tree).
+
+  Approximate view: the gateway's radix tree per worker holds the text it
+  routed there, pruned LRU to ``max_tree_size = 2**26`` (sgl-router
+  ``CacheAwareConfig`` default, checked every ``eviction_interval_secs =
+  60``): here an LRU of ``2**26`` tokens of block hashes, pruned at once.
+  The gateway matches characters; this view matches whole blocks.
   """
 
   def pick(state, view, rid):
@@ -181,7 +211,7 @@ def cache_aware(
       imbalanced, least, jnp.where(rate > cache_threshold, best, least)
     ).astype(jnp.int32)
 
-  return Router("cache_aware", pick, reads_cache=True)
+  return Router("cache_aware", pick, reads_cache=True, view=ApproxView(2**26))
 
 
 # --------------------------------------------------------------- kv_cost
@@ -198,6 +228,13 @@ def kv_cost(
   overlap_credit * cached_blocks, 0) + decode_blocks``; the lowest cost
   wins (ties to the lowest replica), or with ``temperature > 0`` a replica
   drawn from ``softmax(-cost / temperature)`` (keyed by the request id).
+
+  Approximate view: Dynamo's router without KV events
+  (``--no-kv-events``) records the blocks it routed and forgets them
+  after ``router_ttl_secs = 120``, its tree pruned at ``router_max_tree_size
+  = 2**20`` blocks (``KvRouterConfig`` / ``PruneConfig`` defaults in
+  ``lib/llm/src/kv_router``): ttl 120 s, an LRU of ``2**20`` blocks of 16
+  tokens.
   """
   if not temperature >= 0:
     raise ValueError(f"kv_cost temperature={temperature} must be >= 0")
@@ -215,7 +252,12 @@ def kv_cost(
     key = jax.random.fold_in(jax.random.key(0), rid)
     return jax.random.categorical(key, -cost / temperature).astype(jnp.int32)
 
-  return Router("kv_cost", pick, reads_cache=True)
+  return Router(
+    "kv_cost",
+    pick,
+    reads_cache=True,
+    view=ApproxView(capacity_tokens=2**20 * 16, ttl_s=120.0),
+  )
 
 
 # -------------------------------------------------------------------- e2
@@ -230,6 +272,11 @@ def e2(window_steps: int = 64) -> Router:
   the work the router sent to the replica over the last ``window_steps``
   steps (prefill: unmatched prompt tokens; decode: the output tokens),
   kept per step in a ring (the paper's window ``H``).
+
+  Approximate view: Preble's global scheduler keeps one radix tree of the
+  prompts it routed, with the GPUs holding each node; the paper evicts
+  from it as the GPUs do, which a router cannot see: here an unbounded
+  LRU of routed block hashes.
   """
   if window_steps < 1:
     raise ValueError(f"e2 window_steps={window_steps} must be >= 1")
@@ -322,6 +369,12 @@ def llm_d(
   (max q - min q)`` over queued requests (1 for all when equal), KV
   ``1 - kv_usage``, prefix ``match blocks / prompt blocks``; the highest
   weighted sum wins (ties to the lowest replica).
+
+  Approximate view: the approximate prefix-cache plugin of the gateway API
+  inference extension (``approximateprefix``; defaults
+  ``DefaultLRUCapacityPerServer = 31250`` blocks of
+  ``DefaultBlockSizeTokens = 16``, ``DefaultMaxPrefixBlocks = 256``): an
+  LRU of 31,250 x 16 tokens per replica, matches up to 4,096 tokens.
   """
 
   def pick(state, view, rid):
@@ -341,7 +394,12 @@ def llm_d(
     )
     return _first_max(score)
 
-  return Router("llm_d", pick, reads_cache=True)
+  return Router(
+    "llm_d",
+    pick,
+    reads_cache=True,
+    view=ApproxView(capacity_tokens=31250 * 16, max_match_tokens=256 * 16),
+  )
 
 
 # --------------------------------------------------------------- registry

@@ -177,13 +177,16 @@ def _replay_group(trace, points: Sequence[Point]):
   return rows, result.timing.compile_s, result.timing.run_s
 
 
-def _cluster_group(trace, points: Sequence[Point], vectorize):
-  """Routed points, one :func:`prefixjax.routing.simulate_cluster` each."""
+def _cluster_group(trace, points: Sequence[Point], vectorize, devices):
+  """Routed points, one :func:`prefixjax.routing.simulate_cluster` each;
+  vectorized, the replica axis is sharded over ``gcd(P, devices)`` of the
+  devices."""
   from prefixjax.routing import simulate_cluster
 
   start = time.perf_counter()
   rows = []
   for p in points:
+    d = math.gcd(p.get("replicas"), len(devices or ()))
     r = simulate_cluster(
       trace,
       serving_config(dict(p.params)),
@@ -195,6 +198,7 @@ def _cluster_group(trace, points: Sequence[Point], vectorize):
       rate=p.get("rate"),
       seed=p.get("seed"),
       vectorize=vectorize,
+      devices=list(devices)[:d] if vectorize and d > 1 else None,
     )
     m = {k: _plain(v) for k, v in r.metrics().items() if k != "mode"}
     m.pop("router", None)
@@ -208,7 +212,7 @@ def _simulate_group(trace, points: Sequence[Point], vectorize, devices):
 
   p0 = points[0]
   if p0.get("router") is not None:
-    return _cluster_group(trace, points, vectorize)
+    return _cluster_group(trace, points, vectorize, devices)
   configs = [serving_config(dict(p.params)) for p in points]
   roofline = p0.get("clock") == "roofline"
   start = time.perf_counter()
