@@ -224,3 +224,29 @@ def test_kv_tokens_is_prompt_plus_all_but_the_last_sampled_token(rng):
   ]
   assert trace.kv_tokens.tolist() == want
   assert trace.kv_tokens.dtype == np.int64
+
+
+def test_lists_of_ints_give_the_rows_of_arrays(rng):
+  # The loaders pass lists of Python ints (one flat conversion); anything
+  # else goes row by row. Both give equal read-only rows, and lists with a
+  # bad entry are refused by the row-by-row checks, naming the row.
+  lengths = rng.integers(1, 9, 6)
+  rows = [rng.integers(0, 1 << 20, int(n)).tolist() for n in lengths]
+  kw = dict(
+    arrival_times_s=np.arange(6.0),
+    input_lengths=lengths,
+    output_lengths=np.ones(6, np.int64),
+  )
+  fast = Trace(**kw, input_token_ids=rows)
+  slow = Trace(**kw, input_token_ids=[np.asarray(r) for r in rows])
+  for a, b, r in zip(fast.input_token_ids, slow.input_token_ids, rows):
+    assert a.dtype == b.dtype == np.int32
+    assert a.tolist() == b.tolist() == r
+    assert not a.flags.writeable
+  bad = int(rng.integers(0, 6))
+  for value, match in [(-1, "holds token id -1"), (1.5, "must hold")]:
+    broken = [list(r) for r in rows]
+    broken[bad][-1] = value
+    with pytest.raises((TypeError, ValueError), match=match) as err:
+      Trace(**kw, input_token_ids=broken)
+    assert f"input_token_ids[{bad}]" in str(err.value)
