@@ -58,7 +58,7 @@ def _trace(rng, n=60, prompts=5, rate=60.0):
 @pytest.mark.parametrize("router", ["round_robin", "session_affinity"])
 def test_a_state_free_router_gives_each_replica_its_own_simulation(rng, router):
   trace = _trace(rng, n=int(rng.integers(20, 50)))
-  p = int(rng.integers(2, 5))
+  p = int(rng.integers(2, 4))
   res = simulate_cluster(
     trace,
     CONFIG,

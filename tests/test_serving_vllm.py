@@ -11,6 +11,8 @@ slots, columns, step rows) so they compile the engine a few times only.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from reference_models.vllm_apc import cdiv
@@ -235,9 +237,14 @@ def _random_config(rng, policy="fcfs"):
   )
 
 
+# Random configurations per run (each compiles its own program): 3 in CI,
+# more with PREFIXJAX_RANDOM_CONFIGS=20.
+RANDOM_CONFIGS = int(os.environ.get("PREFIXJAX_RANDOM_CONFIGS", "3"))
+
+
 @pytest.mark.slow
 def test_random_configs_match_model(rng):
-  for _ in range(6):
+  for _ in range(RANDOM_CONFIGS):
     config = _random_config(rng)
     max_model_len = config.max_model_len
     records = _long_pair(rng, max_model_len) + _records(rng, 8, fabricate=True)
@@ -570,7 +577,7 @@ def test_bad_policy_is_refused():
 
 @pytest.mark.slow
 def test_priority_random_configs_match_model(rng):
-  for _ in range(6):
+  for _ in range(RANDOM_CONFIGS):
     config = _random_config(rng, policy="priority")
     max_model_len = config.max_model_len
     pair = _long_pair(rng, max_model_len)
