@@ -435,3 +435,35 @@ def test_refuses_unknown_vllm_versions():
       serving_replay.general_hits(trace, 2, [4], vllm_version=bad)
   with pytest.raises(TypeError, match="vllm_version must be a string"):
     replay_vllm(trace, block_size=2, capacities=[4], vllm_version=0.33)
+
+
+@pytest.mark.parametrize("semantics", ["vllm", "sglang"])
+def test_capacities_sharded_over_devices_equal_one_at_a_time(semantics, rng):
+  """The per-capacity engines vmapped over the capacities, their axis
+  sharded over the suite's 8 faked CPU devices (tests/conftest.py), against
+  the capacities run one after another on one device: every request's
+  hits equal."""
+  import jax
+
+  from prefixjax.replay import replay
+
+  assert len(jax.devices()) == 8
+  trace = generate_workload(
+    "system_prompt",
+    num_requests=int(rng.integers(20, 40)),
+    seed=int(rng.integers(1 << 30)),
+    prompt_len=(64, 256),
+    question_len=(8, 64),
+    output_len=(4, 32),
+  )
+  caps = sorted(int(c) for c in rng.choice(np.arange(24, 400), 5, False))
+  one = replay(trace, semantics=semantics, capacities=caps)
+  eight = replay(
+    trace, semantics=semantics, capacities=caps, devices=jax.devices()
+  )
+  assert [p.capacity_blocks for p in eight] == caps
+  for a, b in zip(one, eight, strict=True):
+    assert a.hit_tokens == b.hit_tokens
+    np.testing.assert_array_equal(
+      a.per_request_hit_tokens, b.per_request_hit_tokens
+    )

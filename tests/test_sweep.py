@@ -328,8 +328,9 @@ def test_an_absent_trace_skips_its_points_with_the_reason(tmp_path):
 def test_sharded_over_devices_gives_the_rows_of_one(rng, tmp_path):
   """The simulate group vmapped in a subprocess with 8 faked CPU devices
   (``--xla_force_host_platform_device_count=8`` set before jax is
-  imported), its configurations' axis sharded over them, against the same
-  group one configuration at a time on one device."""
+  imported), its configurations' axis sharded over them, and a vllm replay
+  group's capacities the same, against the same groups one configuration
+  at a time on one device."""
   text = f"""
 [sweep]
 vectorize = true
@@ -347,6 +348,10 @@ seed = {sorted(int(s) for s in rng.choice(100, size=2, replace=False))}
 arrivals = "poisson"
 step_time_ms = 5.0
 rate = 40.0
+[replay]
+semantics = "vllm"
+block_size = 16
+capacity = [256, 512, 1024]
 """
   path = _write(tmp_path, text)
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
@@ -372,7 +377,7 @@ rate = 40.0
     plots=False,
     devices=jax.local_devices()[:1],
   )
-  assert len(sharded) == 4 and len(serial.rows) == 4
+  assert len(sharded) == 7 and len(serial.rows) == 7
   assert sharded == json.loads((tmp_path / "one" / "results.json").read_text())
 
 

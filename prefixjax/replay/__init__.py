@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
+from typing import Any
 
 from prefixjax.cache import policies
 from prefixjax.replay.frame import (
@@ -196,6 +197,7 @@ def replay(
   vllm_version: str | None = None,
   width: int | None = None,
   keys_per_step: int | None = None,
+  devices: Sequence[Any] | None = None,
 ) -> ReplayResult:
   """Replays a trace at every capacity; the one replay entry point.
 
@@ -221,6 +223,10 @@ def replay(
     width: blocks per scan step of the chunked and stack engines.
     keys_per_step: next-use keys per scan step of the ``belady_leaf`` keys
       engine.
+    devices: vllm and sglang semantics (one program per capacity): with
+      more than one device the capacities run as one vmapped program,
+      sharded over them (:func:`prefixjax.replay.frame.execute`); the
+      kvcache-sim engines serve every capacity in one program already.
 
   Returns:
     A :class:`ReplayResult`, its points in the order of ``capacities``.
@@ -260,6 +266,7 @@ def replay(
         capacities=capacities,
         warmup_fraction=warmup_fraction,
         publish=publish,
+        devices=devices,
         **version,
       )
     from prefixjax.replay.sglang import replay_sglang
@@ -269,6 +276,7 @@ def replay(
       block_size=block_size,
       capacities=capacities,
       warmup_fraction=warmup_fraction,
+      devices=devices,
     )
   if isinstance(source, Trace):
     plan = plan_trace(

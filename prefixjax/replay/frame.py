@@ -247,7 +247,10 @@ def _compile(engine: ReplayEngine, prepared: Prepared):
 
 
 def execute(
-  engine: ReplayEngine, prepared: Prepared, capacities: Sequence[int]
+  engine: ReplayEngine,
+  prepared: Prepared,
+  capacities: Sequence[int],
+  devices: Sequence[Any] | None = None,
 ) -> ReplayResult:
   """Compiles (or reuses) and runs ``engine`` on ``prepared``.
 
@@ -256,20 +259,36 @@ def execute(
     prepared: from ``engine.prepare`` for these ``capacities``.
     capacities: the capacities asked for, in order (``points`` labels the
       results with them).
+    devices: for a ``PER_CAPACITY`` engine, more than one device runs the
+      capacities as one program, ``vmap``-ed over them with their axis
+      sharded over a one-axis :class:`jax.sharding.Mesh` named
+      ``"capacities"`` (the trace replicated); the other batchings are one
+      program already and ignore it.
 
   Returns:
     The engine's points with their :class:`Timing`.
   """
-  outputs, timing = compile_and_run(engine, prepared)
+  outputs, timing = compile_and_run(engine, prepared, devices)
   points = engine.points(prepared, list(capacities), outputs)
   return ReplayResult(tuple(points), timing, (engine.name,) * len(points))
 
 
-def compile_and_run(engine: ReplayEngine, prepared: Prepared):
+def compile_and_run(
+  engine: ReplayEngine,
+  prepared: Prepared,
+  devices: Sequence[Any] | None = None,
+):
   """``engine.run`` on ``prepared``, compiled (or reused) and run to
   completion; returns its outputs as numpy arrays (a leading ``[C]`` axis
   for ``PER_CAPACITY`` engines; ``COLUMNS`` engines see ``bucket(C)``
-  capacities, the first ``C`` the real ones) and the :class:`Timing`."""
+  capacities, the first ``C`` the real ones) and the :class:`Timing`.
+  ``devices``: as :func:`execute`."""
+  if (
+    engine.batching is Batching.PER_CAPACITY
+    and devices is not None
+    and len(devices) > 1
+  ):
+    return _sharded_capacities(engine, prepared, list(devices))
   compiled, compile_s = _compile(engine, prepared)
   caps = jnp.asarray(prepared.capacities, jnp.int32)
   start = time.perf_counter()
@@ -281,6 +300,38 @@ def compile_and_run(engine: ReplayEngine, prepared: Prepared):
     each = [compiled(prepared.arrays, c) for c in caps]
     outputs = jax.tree.map(lambda *x: jnp.stack(x), *each)
   outputs = jax.tree.map(np.asarray, jax.block_until_ready(outputs))
+  return outputs, Timing(compile_s, time.perf_counter() - start)
+
+
+@functools.cache
+def _vmapped(run: Callable, static_items: tuple):
+  static = dict(static_items)
+  return jax.jit(
+    jax.vmap(lambda arrays, c: run(arrays, c, **static), in_axes=(None, 0))
+  )
+
+
+def _sharded_capacities(engine, prepared, devices):
+  """A ``PER_CAPACITY`` engine's capacities as one vmapped program, their
+  axis sharded over ``devices`` (padded to a multiple of them by repeating
+  the last; the padding is cut off the outputs)."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  caps = np.asarray(prepared.capacities, np.int32)
+  pad = -caps.shape[0] % len(devices)
+  lanes = np.concatenate([caps, np.repeat(caps[-1:], pad)])
+  mesh = Mesh(np.asarray(devices), ("capacities",))
+  arrays = jax.device_put(prepared.arrays, NamedSharding(mesh, PartitionSpec()))
+  lanes = jax.device_put(
+    jnp.asarray(lanes), NamedSharding(mesh, PartitionSpec("capacities"))
+  )
+  fn = _vmapped(engine.run, tuple(sorted(prepared.static.items())))
+  start = time.perf_counter()
+  compiled = fn.lower(arrays, lanes).compile()
+  compile_s = time.perf_counter() - start
+  start = time.perf_counter()
+  outputs = jax.block_until_ready(compiled(arrays, lanes))
+  outputs = jax.tree.map(lambda x: np.asarray(x)[: caps.shape[0]], outputs)
   return outputs, Timing(compile_s, time.perf_counter() - start)
 
 

@@ -743,6 +743,7 @@ def replay_sglang(
   capacities: Sequence[int],
   warmup_fraction: float = 0.5,
   waiting_refresh_interval: int | None = WAITING_REFRESH_INTERVAL,
+  devices=None,
 ) -> ReplayResult:
   """Replays a trace with SGLang 0.5.23 ``RadixCache`` semantics.
 
@@ -808,7 +809,7 @@ def replay_sglang(
     warmup_fraction=warmup_fraction,
     waiting_refresh_interval=waiting_refresh_interval,
   )
-  return frame.execute(ENGINE, prepared, capacities)
+  return frame.execute(ENGINE, prepared, capacities, devices)
 
 
 ENGINE = ReplayEngine(

@@ -198,6 +198,7 @@ def replay_vllm(
   warmup_fraction: float = 0.5,
   publish: str = "early",
   vllm_version: str = DEFAULT_VLLM_VERSION,
+  devices=None,
 ) -> ReplayResult:
   """Replays a trace with vLLM v1 prefix-caching semantics.
 
@@ -287,7 +288,7 @@ def replay_vllm(
     warmup_fraction=warmup_fraction,
     free_order=free_order,
   )
-  return frame.execute(vllm_engine.ENGINE, prepared, capacities)
+  return frame.execute(vllm_engine.ENGINE, prepared, capacities, devices)
 
 
 def general_hits(

@@ -5,7 +5,9 @@ compiled program form a group, and each group is one call:
 
 * replay points that differ only in ``capacity`` are one
   :func:`prefixjax.replay.replay` call (its engines batch capacities as
-  columns of one state, one stack pass, or one program run per capacity);
+  columns of one state, one stack pass, or one program run per capacity;
+  vectorized, the per-capacity vllm and sglang engines run the capacities
+  as one vmapped program sharded over the local devices);
 * simulate points that share the static shapes (``num_blocks``,
   ``block_size``, ``max_num_seqs``, ``max_model_len``, the scheduler, the
   clock and its presets, the arrival mode) and differ in
@@ -142,7 +144,9 @@ def _fragmentation(trace, block_size: int) -> float:
   return float((reserved - n).sum() / max(int(reserved.sum()), 1))
 
 
-def _replay_group(trace, points: Sequence[Point]):
+def _replay_group(trace, points: Sequence[Point], devices=None):
+  """Replay points differing only in capacity: one replay call (vllm and
+  sglang semantics sharded over ``devices`` when given)."""
   from prefixjax import replay as rp
 
   p0 = points[0]
@@ -155,6 +159,7 @@ def _replay_group(trace, points: Sequence[Point]):
     semantics=semantics,
     block_size=block_size,
     warmup_fraction=warmup,
+    devices=devices,
   )
   ceiling = None
   if semantics == "kvcache-sim":
@@ -438,7 +443,9 @@ def run_sweep(
     for g in pieces:
       trace = traces[g[0].workload.name]
       if g[0].mode == "replay":
-        rows, compile_s, run_s = _replay_group(trace, g)
+        rows, compile_s, run_s = _replay_group(
+          trace, g, None if serial else devices
+        )
       else:
         rows, compile_s, run_s = _simulate_group(
           trace, g, spec.vectorize, devices
