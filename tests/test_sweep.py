@@ -532,6 +532,56 @@ def test_two_processes_on_localhost_give_the_rows_of_one(rng, tmp_path):
     assert (both / name).read_text() == (single / name).read_text()
 
 
+def test_a_distributed_run_killed_midway_leaves_dir_resumable(rng, tmp_path):
+  """Two ``--distributed`` processes, SIGKILLed at a random moment; a
+  plain rerun into the same DIR ends with the rows of a clean run."""
+  path = _small_spec(rng, tmp_path, simulate_points=False)
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  clean = tmp_path / "clean"
+  start = time.monotonic()
+  subprocess.run(
+    _sweep_argv(path, clean), check=True, capture_output=True, env=env
+  )
+  took = time.monotonic() - start
+  killed = tmp_path / "killed"
+  port = _free_port()
+  procs = [
+    subprocess.Popen(
+      [
+        *_sweep_argv(path, killed),
+        "--distributed",
+        "--coordinator-address",
+        f"127.0.0.1:{port}",
+        "--num-processes",
+        "2",
+        "--process-id",
+        str(i),
+      ],
+      stdout=subprocess.DEVNULL,
+      stderr=subprocess.DEVNULL,
+      env=env,
+    )
+    for i in range(2)
+  ]
+  time.sleep(float(rng.uniform(0.1, 0.7)) * took)
+  for proc in procs:
+    proc.send_signal(signal.SIGKILL)
+  for proc in procs:
+    proc.wait()
+  partial = (
+    len(list((killed / "points").glob("*.json")))
+    if (killed / "points").exists()
+    else 0
+  )
+  print(f"killed after {partial} points")
+  subprocess.run(
+    _sweep_argv(path, killed), check=True, capture_output=True, env=env
+  )
+  for name in ("results.csv", "results.json"):
+    assert (killed / name).read_text() == (clean / name).read_text()
+  assert not [p for p in (killed / "points").iterdir() if p.name[0] == "."]
+
+
 def test_distributed_flags_need_distributed(tmp_path, capsys):
   path = _write(tmp_path, "[replay]\ncapacity = 8\n")
   assert main(["sweep", str(path), "--process-id", "1"]) == 2
