@@ -89,6 +89,16 @@ def test_a_state_free_router_gives_each_replica_its_own_simulation(rng, router):
     assert [r["finish_step"] for r in reqs] == res.finish_step[mine].tolist()
     got = res.hit_first_sched[mine].tolist()
     assert [r["hit_first_sched"] for r in reqs] == got
+    # Its per-replica metrics from the share's own requests.
+    row = res.per_replica()[q]
+    ttft = [
+      r["first_token_step"] + 1 - r["arrival_step"]
+      for r in reqs
+      if r["finish_step"] >= 0
+    ]
+    assert row["ttft_steps_p99"] == float(np.percentile(ttft, 99))
+    assert row["ttft_s_p99"] == pytest.approx(row["ttft_steps_p99"] * 0.01)
+    assert row["output_tokens"] == sum(r["num_output_tokens"] for r in reqs)
 
 
 def _view(rng, p):

@@ -372,24 +372,37 @@ class ClusterResult:
   def per_replica(self) -> list[dict[str, Any]]:
     """Per replica: ``requests``, ``prompt_tokens``, ``hit_tokens``,
     ``token_hit_rate``, ``output_tokens``, ``tokens_computed`` (prefill and
-    decode tokens it ran) and ``busy_steps``."""
+    decode tokens it ran: its load), ``busy_steps``, ``ttft_steps_p50`` /
+    ``_p99`` (and ``ttft_s_*`` with ``step_time_ms``) over its finished
+    requests, and ``throughput_tokens_per_step`` (``_per_s``): its output
+    tokens over the cluster's makespan."""
+    steps = self.trace["step"]
+    makespan = int(steps[-1]) + 1 if len(steps) else 0
+    scale = None if self.step_time_ms is None else self.step_time_ms / 1e3
     out = []
     for p in range(self.replicas):
       mine = self.route == p
       prompt = int(self.prompt_len[mine].sum())
       hit = int(self.hit_first_sched[mine].sum())
-      out.append(
-        dict(
-          replica=p,
-          requests=int(mine.sum()),
-          prompt_tokens=prompt,
-          hit_tokens=hit,
-          token_hit_rate=hit / prompt if prompt else None,
-          output_tokens=int(self.num_output[mine].sum()),
-          tokens_computed=int(self.trace["tokens"][:, p].sum()),
-          busy_steps=int(self.trace["ran"][:, p].sum()),
-        )
+      outputs = int(self.num_output[mine].sum())
+      row = dict(
+        replica=p,
+        requests=int(mine.sum()),
+        prompt_tokens=prompt,
+        hit_tokens=hit,
+        token_hit_rate=hit / prompt if prompt else None,
+        output_tokens=outputs,
+        tokens_computed=int(self.trace["tokens"][:, p].sum()),
+        busy_steps=int(self.trace["ran"][:, p].sum()),
       )
+      row.update(_ttft(self, mine & (self.finish_step >= 0), scale))
+      row["throughput_tokens_per_step"] = (
+        outputs / makespan if makespan else None
+      )
+      row["throughput_tokens_per_s"] = (
+        None if scale is None or not makespan else outputs / (makespan * scale)
+      )
+      out.append(row)
     return out
 
   def metrics(self) -> dict[str, Any]:
@@ -409,9 +422,6 @@ class ClusterResult:
     reqs = np.asarray([r["requests"] for r in per], np.float64)
     steps = self.trace["step"]
     makespan = int(steps[-1]) + 1 if len(steps) else 0
-    ttft = (self.first_token_step[done] + 1 - self.arrival_step[done]).astype(
-      np.float64
-    )
     out_tokens = int(self.num_output[routed].sum())
     scale = None if self.step_time_ms is None else self.step_time_ms / 1e3
     m: dict[str, Any] = dict(
@@ -431,14 +441,25 @@ class ClusterResult:
       output_tokens=out_tokens,
       throughput_tokens_per_step=out_tokens / makespan if makespan else None,
     )
-    for q in (50, 99):
-      v = float(np.percentile(ttft, q)) if len(ttft) else None
-      m[f"ttft_steps_p{q}"] = v
-      m[f"ttft_s_p{q}"] = None if v is None or scale is None else v * scale
+    m.update(_ttft(self, done, scale))
     m["throughput_tokens_per_s"] = (
       None if scale is None or not makespan else out_tokens / (makespan * scale)
     )
     return m
+
+
+def _ttft(res: ClusterResult, done, scale) -> dict[str, Any]:
+  """``ttft_steps_p50/p99`` (``first_token_step + 1 - arrival_step``) of
+  the ``done`` requests, and ``ttft_s_*`` with a step time."""
+  ttft = (res.first_token_step[done] + 1 - res.arrival_step[done]).astype(
+    np.float64
+  )
+  m: dict[str, Any] = {}
+  for q in (50, 99):
+    v = float(np.percentile(ttft, q)) if len(ttft) else None
+    m[f"ttft_steps_p{q}"] = v
+    m[f"ttft_s_p{q}"] = None if v is None or scale is None else v * scale
+  return m
 
 
 def _int(name, value, low):
