@@ -492,6 +492,30 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def _two_processes(path, out, env, stream):
+  """``prefixjax sweep --distributed`` as processes 0 and 1 of 2, one
+  coordinator on a free localhost port."""
+  port = _free_port()
+  return [
+    subprocess.Popen(
+      [
+        *_sweep_argv(path, out),
+        "--distributed",
+        "--coordinator-address",
+        f"127.0.0.1:{port}",
+        "--num-processes",
+        "2",
+        "--process-id",
+        str(i),
+      ],
+      stdout=stream,
+      stderr=stream,
+      env=env,
+    )
+    for i in range(2)
+  ]
+
+
 def test_two_processes_on_localhost_give_the_rows_of_one(rng, tmp_path):
   """``--distributed`` with 2 processes (jax.distributed on CPU, one
   coordinator on localhost) into one DIR, against a single-process run."""
@@ -502,25 +526,7 @@ def test_two_processes_on_localhost_give_the_rows_of_one(rng, tmp_path):
     _sweep_argv(path, single), check=True, capture_output=True, env=env
   )
   both = tmp_path / "both"
-  port = _free_port()
-  procs = [
-    subprocess.Popen(
-      [
-        *_sweep_argv(path, both),
-        "--distributed",
-        "--coordinator-address",
-        f"127.0.0.1:{port}",
-        "--num-processes",
-        "2",
-        "--process-id",
-        str(i),
-      ],
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      env=env,
-    )
-    for i in range(2)
-  ]
+  procs = _two_processes(path, both, env, subprocess.PIPE)
   outs = [p.communicate(timeout=600) for p in procs]
   for p, (_out, err) in zip(procs, outs, strict=True):
     assert p.returncode == 0, err.decode()[-2000:]
@@ -544,25 +550,7 @@ def test_a_distributed_run_killed_midway_leaves_dir_resumable(rng, tmp_path):
   )
   took = time.monotonic() - start
   killed = tmp_path / "killed"
-  port = _free_port()
-  procs = [
-    subprocess.Popen(
-      [
-        *_sweep_argv(path, killed),
-        "--distributed",
-        "--coordinator-address",
-        f"127.0.0.1:{port}",
-        "--num-processes",
-        "2",
-        "--process-id",
-        str(i),
-      ],
-      stdout=subprocess.DEVNULL,
-      stderr=subprocess.DEVNULL,
-      env=env,
-    )
-    for i in range(2)
-  ]
+  procs = _two_processes(path, killed, env, subprocess.DEVNULL)
   time.sleep(float(rng.uniform(0.1, 0.7)) * took)
   for proc in procs:
     proc.send_signal(signal.SIGKILL)
