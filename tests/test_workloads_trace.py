@@ -239,7 +239,9 @@ def test_lists_of_ints_give_the_rows_of_arrays(rng):
   )
   fast = Trace(**kw, input_token_ids=rows)
   slow = Trace(**kw, input_token_ids=[np.asarray(r) for r in rows])
-  for a, b, r in zip(fast.input_token_ids, slow.input_token_ids, rows):
+  for a, b, r in zip(
+    fast.input_token_ids, slow.input_token_ids, rows, strict=True
+  ):
     assert a.dtype == b.dtype == np.int32
     assert a.tolist() == b.tolist() == r
     assert not a.flags.writeable
