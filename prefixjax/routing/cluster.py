@@ -566,9 +566,11 @@ def simulate_cluster(
     records, config, arrivals, step_time_ms, rate, seed
   )
   r = len(records)
-  a, ttl = _view_shape(router, reqs, config, approx_capacity, step_time_ms)
-  if mode != "approximate":
-    a = 1
+  a, ttl = (
+    _view_shape(router, reqs, config, approx_capacity, step_time_ms)
+    if mode == "approximate"
+    else (1, np.iinfo(np.int32).max)  # no view: one unused slot
+  )
   reps = jax.tree.map(lambda x: jnp.stack([x] * p), state)
   if devices is not None:
     mesh = jax.sharding.Mesh(np.asarray(devices), ("replicas",))
