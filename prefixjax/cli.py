@@ -564,13 +564,15 @@ def _positive_float(text: str) -> float:
 def _add_simulate(subparsers) -> None:
   p = subparsers.add_parser(
     "simulate",
-    help="engine-step serving simulation (vLLM 0.33's scheduler loop)",
+    help="engine-step serving simulation (vLLM 0.33's or SGLang 0.5.23's "
+    "scheduler loop)",
     description=(
       "Serves a trace (or a generated workload) through vLLM 0.33's v1 "
       "scheduler loop (FCFS, priority, or the lpm / dfs / fair orders) on "
-      "the on-device prefix cache, one jitted loop over engine steps, with "
-      "a step-counting or a roofline clock, and prints latency, hit-rate, "
-      "block and throughput metrics."
+      "the on-device prefix cache, or with --semantics sglang through "
+      "SGLang 0.5.23's scheduler loop (fcfs, lpm) over its radix cache, one "
+      "jitted loop over engine steps, with a step-counting or a roofline "
+      "clock, and prints latency, hit-rate, block and throughput metrics."
     ),
   )
   src = p.add_mutually_exclusive_group()
@@ -647,7 +649,23 @@ def _add_simulate(subparsers) -> None:
     "(SGLang's orders) or fair (VTC) inside vLLM's loop, or a name "
     "registered with prefixjax.serving.schedulers.register_scheduler",
   )
-  p.add_argument("--semantics", default="vllm")
+  p.add_argument(
+    "--semantics",
+    default="vllm",
+    choices=("vllm", "sglang"),
+    help="vllm (default): vLLM 0.33's v1 scheduler and block pool; sglang: "
+    "SGLang 0.5.23's scheduler loop over its paged radix cache (schedulers "
+    "fcfs, lpm; --max-num-seqs is its --max-running-requests, "
+    "--max-num-batched-tokens its --chunked-prefill-size)",
+  )
+  p.add_argument(
+    "--max-prefill-tokens",
+    type=int,
+    default=None,
+    metavar="N",
+    help="sglang: prefill tokens of one batch (SGLang's --max-prefill-tokens, "
+    "default 16384)",
+  )
   p.add_argument("--json", metavar="OUT", help="write the metrics as JSON")
   p.add_argument(
     "--requests-out", metavar="OUT", help="one JSON line per request"
@@ -668,7 +686,14 @@ def _simulate_config(args):
     max_num_batched_tokens="--max-num-batched-tokens",
     max_model_len="--max-model-len",
     chunked_prefill="--[no-]chunked-prefill",
+    scheduler="--scheduler",
+    semantics="--semantics",
+    max_prefill_tokens="--max-prefill-tokens",
+    parallel_sampling="--semantics",
   )
+  extra = {}
+  if args.max_prefill_tokens is not None:
+    extra["max_prefill_tokens"] = args.max_prefill_tokens
   try:
     return ServingConfig(
       num_gpu_blocks=args.num_blocks + 1,
@@ -678,6 +703,8 @@ def _simulate_config(args):
       max_model_len=args.max_model_len,
       chunked_prefill=args.chunked_prefill,
       scheduler=args.scheduler,
+      semantics=args.semantics,
+      **extra,
     )
   except ValueError as err:
     msg = str(err)
@@ -693,10 +720,6 @@ def _check_simulate_args(args):
     raise CliError(
       f"--scheduler {args.scheduler}: unknown; use one of "
       f"{', '.join(scheduler_names())}"
-    )
-  if args.semantics != "vllm":
-    raise CliError(
-      f"--semantics {args.semantics}: not implemented yet (only vllm)"
     )
   if args.clock == "steps":
     if args.arrivals in ("trace", "poisson") and args.step_time_ms is None:

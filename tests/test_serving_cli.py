@@ -63,7 +63,9 @@ def test_json_and_jsonl_match_simulate_and_model(tmp_path, capsys):
     (["--block-size", "0"], "--block-size"),
     (["--max-num-seqs", "0"], "--max-num-seqs"),
     (["--scheduler", "lifo"], "--scheduler"),
-    (["--semantics", "sglang"], "--semantics"),
+    (["--semantics", "sglang", "--scheduler", "dfs"], "--scheduler"),
+    (["--max-prefill-tokens", "100"], "--max-prefill-tokens"),
+    (["--semantics", "sglang", "--num-blocks", "120"], "--num-blocks"),
     (["--arrivals", "trace"], "--step-time-ms"),
     (["--arrivals", "poisson", "--step-time-ms", "1"], "--rate"),
     (["--arrivals", "zero", "--rate", "3"], "--rate"),
@@ -104,4 +106,38 @@ def test_priority_scheduler_matches_simulate_and_model(tmp_path, capsys):
   lines = [json.loads(x) for x in reqs_out.read_text().splitlines()]
   assert [x["finish_step"] for x in lines] == [
     r.get("finish_step") for r in reqs
+  ]
+
+
+def test_sglang_semantics_from_the_command_line(tmp_path, capsys):
+  """``--semantics sglang``: the JSON is the API's metrics, each JSONL line
+  the Python model's request (SGLang 0.5.23's loop, written from source)."""
+  from reference_models.sglang_scheduler import SglangScheduler
+
+  out, reqs_out = tmp_path / "m.json", tmp_path / "r.jsonl"
+  argv = [*FLAGS, "--semantics", "sglang", "--scheduler", "lpm"]
+  argv += ["--max-prefill-tokens", "512"]
+  argv += ["--json", str(out), "--requests-out", str(reqs_out)]
+  assert main(["simulate", *argv]) == 0
+  assert "token_hit_rate" in capsys.readouterr().out
+  config = dataclasses.replace(
+    CONFIG, semantics="sglang", scheduler="lpm", max_prefill_tokens=512
+  )
+  trace = pj.generate_workload("multi_turn", num_requests=8, seed=3)
+  got = serving.simulate(trace, config)
+  assert json.loads(out.read_text()) == json.loads(json.dumps(got.metrics()))
+  model = SglangScheduler(
+    num_pages=160,
+    page_size=16,
+    max_running_requests=4,
+    chunked_prefill_size=256,
+    max_prefill_tokens=512,
+    max_model_len=2048,
+    policy="lpm",
+  )
+  _, reqs = model.simulate(serving.records_from_trace(trace), [0] * 8)
+  lines = [json.loads(x) for x in reqs_out.read_text().splitlines()]
+  assert [(x["hit_tokens"], x["finish_step"]) for x in lines] == [
+    (None, None) if r["rejected"] else (r["hit_tokens"], r["finish_step"])
+    for r in reqs
   ]

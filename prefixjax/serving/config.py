@@ -12,7 +12,7 @@ import dataclasses
 
 from prefixjax.serving import schedulers as sch
 
-__all__ = ["POLICIES", "ServingConfig"]
+__all__ = ["POLICIES", "SEMANTICS", "SGLANG_POLICIES", "ServingConfig"]
 
 POLICIES = ("fcfs", "priority")
 """vLLM's own scheduling policies (``SchedulerConfig.policy``)."""
@@ -29,6 +29,11 @@ def _int_field(name: str, value) -> int:
 
 
 PARALLEL_SAMPLING = ("fan_out", "fork")
+SEMANTICS = ("vllm", "sglang")
+"""Whose scheduler loop the simulator runs (:class:`ServingConfig`)."""
+SGLANG_POLICIES = ("fcfs", "lpm")
+"""The schedulers of ``semantics="sglang"`` (SGLang's ``--schedule-policy``
+values this project models)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +64,22 @@ class ServingConfig:
       blocks through the prefix cache) or ``"fork"`` (the parent prefills,
       the children fork its blocks with copy-on-write at its first token;
       :mod:`prefixjax.serving.fork`).
+    semantics: ``"vllm"`` (vLLM 0.33's v1 scheduler and block pool,
+      :mod:`prefixjax.serving.vllm_v1`) or ``"sglang"`` (SGLang 0.5.23's
+      scheduler loop over its paged radix cache,
+      :mod:`prefixjax.serving.sglang_engine`). Under ``"sglang"`` the fields
+      are SGLang's server arguments: ``num_gpu_blocks - 1`` usable pages of
+      ``block_size`` tokens (``--page-size``), ``max_num_seqs`` is
+      ``--max-running-requests``, ``max_num_batched_tokens`` is
+      ``--chunked-prefill-size`` (with ``chunked_prefill``; without it no
+      chunking), ``max_model_len`` is ``--context-length``, ``scheduler`` is
+      ``--schedule-policy`` (``"fcfs"`` or ``"lpm"``).
+    max_prefill_tokens: SGLang's ``--max-prefill-tokens`` (default 16384,
+      ``server_args.py``): prefill tokens of one batch; ``"sglang"`` only.
+    waiting_prefix_refresh: SGLang's ``SGLANG_ENABLE_WAITING_PREFIX_REFRESH``
+      (on by default): the ``fcfs`` policy's 1st, 33rd, 65th, ...
+      ``calc_priority`` refreshes the prompt paths of the first 128 waiting
+      requests; ``"sglang"`` only.
 
   Raises:
     TypeError: a field of the wrong type.
@@ -80,10 +101,19 @@ class ServingConfig:
   long_prefill_token_threshold: int = 0
   scheduler: str | sch.Scheduler = "fcfs"
   parallel_sampling: str = "fan_out"
+  semantics: str = "vllm"
+  max_prefill_tokens: int = 16384
+  waiting_prefix_refresh: bool = True
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
-      if f.name == "parallel_sampling":
+      if f.name == "semantics":
+        if self.semantics not in SEMANTICS:
+          raise ValueError(
+            f"ServingConfig.semantics={self.semantics!r} must be one of "
+            f"{SEMANTICS}"
+          )
+      elif f.name == "parallel_sampling":
         if self.parallel_sampling not in PARALLEL_SAMPLING:
           raise ValueError(
             "ServingConfig.parallel_sampling="
@@ -103,11 +133,11 @@ class ServingConfig:
             f"ServingConfig.scheduler={self.scheduler!r} must be one of "
             f"{sch.scheduler_names()}"
           )
-      elif f.name == "chunked_prefill":
-        if not isinstance(self.chunked_prefill, bool):
+      elif f.name in ("chunked_prefill", "waiting_prefix_refresh"):
+        if not isinstance(getattr(self, f.name), bool):
           raise TypeError(
-            "ServingConfig.chunked_prefill must be a bool, got "
-            f"{self.chunked_prefill!r}"
+            f"ServingConfig.{f.name} must be a bool, got "
+            f"{getattr(self, f.name)!r}"
           )
       else:
         _int_field(f.name, getattr(self, f.name))
@@ -120,14 +150,16 @@ class ServingConfig:
       raise ValueError(
         f"ServingConfig.max_model_len={self.max_model_len} must be >= 1"
       )
-    if self.max_num_batched_tokens < self.max_num_seqs:
+    vllm = self.semantics == "vllm"
+    if vllm and self.max_num_batched_tokens < self.max_num_seqs:
       raise ValueError(
         "ServingConfig.max_num_batched_tokens="
         f"{self.max_num_batched_tokens} must be >= max_num_seqs="
         f"{self.max_num_seqs} (vLLM SchedulerConfig.verify_max_model_len)"
       )
     if (
-      not self.chunked_prefill
+      vllm
+      and not self.chunked_prefill
       and self.max_num_batched_tokens < self.max_model_len
     ):
       raise ValueError(
@@ -148,7 +180,62 @@ class ServingConfig:
         f"ServingConfig.num_gpu_blocks={self.num_gpu_blocks}: max_model_len="
         f"{self.max_model_len} needs {need} blocks of block_size="
         f"{self.block_size} but only {self.num_gpu_blocks - 1} are usable "
-        "(the null block is extra; vLLM's check_enough_kv_cache_memory)"
+        "(block 0 is reserved: vLLM's null block, SGLang's padding page; "
+        "vLLM's check_enough_kv_cache_memory)"
+      )
+
+    if self.semantics == "sglang":
+      self._check_sglang()
+    elif self.max_prefill_tokens != 16384:
+      raise ValueError(
+        f"ServingConfig.max_prefill_tokens={self.max_prefill_tokens}: an "
+        "sglang-semantics knob (SGLang's --max-prefill-tokens); vllm "
+        "semantics has none"
+      )
+    elif not self.waiting_prefix_refresh:
+      raise ValueError(
+        "ServingConfig.waiting_prefix_refresh=False: an sglang-semantics "
+        "knob; vllm semantics has none"
+      )
+
+  def _check_sglang(self) -> None:
+    """The rules of ``semantics="sglang"``."""
+    name = self.scheduler
+    if not isinstance(name, str) or name not in SGLANG_POLICIES:
+      raise ValueError(
+        f"ServingConfig.scheduler={name!r}: semantics='sglang' models "
+        f"SGLang's schedule policies {SGLANG_POLICIES} only"
+      )
+    if self.max_prefill_tokens < 1:
+      raise ValueError(
+        f"ServingConfig.max_prefill_tokens={self.max_prefill_tokens} must "
+        "be >= 1"
+      )
+    if self.long_prefill_token_threshold:
+      raise ValueError(
+        "ServingConfig.long_prefill_token_threshold is a vLLM knob; "
+        "semantics='sglang' has none (leave it 0)"
+      )
+    if self.parallel_sampling != "fan_out":
+      raise ValueError(
+        "ServingConfig.parallel_sampling='fork' needs semantics='vllm'; "
+        "under 'sglang' the n samples are independent requests (fan_out)"
+      )
+    k = self.block_size
+    if self.chunked_prefill and self.max_num_batched_tokens < k:
+      raise ValueError(
+        "ServingConfig.max_num_batched_tokens="
+        f"{self.max_num_batched_tokens} (SGLang's chunked_prefill_size) "
+        f"must be >= block_size={k}: a chunk is cut to whole pages"
+      )
+    pages = self.num_gpu_blocks - 1
+    if self.max_model_len + k >= pages * k:
+      raise ValueError(
+        f"ServingConfig.num_gpu_blocks={self.num_gpu_blocks}: with "
+        f"semantics='sglang' a request of max_model_len={self.max_model_len} "
+        f"tokens needs max_model_len + block_size < {pages} usable pages x "
+        f"{k} tokens, or SGLang's admission (PrefillAdder: prompt + "
+        "max_new_tokens + one page < free tokens) never admits it"
       )
 
   @property

@@ -380,7 +380,11 @@ def simulate(
   hardware: str | configs.HardwareConfig | None = None,
   progress: bool = False,
 ) -> SimResult:
-  """Serves a trace with vLLM 0.33's v1 scheduler, step by step.
+  """Serves a trace with vLLM 0.33's v1 scheduler (or SGLang's), step by step.
+
+  ``config.semantics="sglang"`` runs SGLang 0.5.23's scheduler loop over its
+  paged radix cache instead (:mod:`prefixjax.serving.sglang_engine`; its
+  schedulers are ``fcfs`` and ``lpm``), with the same arguments and result.
 
   ``config.scheduler`` picks FCFS (the default), PRIORITY (the waiting
   queue is ordered by each record's ``priority``, lower first, default 0;
@@ -438,6 +442,11 @@ def simulate(
       ``arrivals``, ``step_time_ms`` or ``rate`` (see :func:`arrival_steps`).
   """
   records = _check_records(trace)
+  if isinstance(config, ServingConfig) and config.semantics == "sglang":
+    return _simulate_sglang(
+      records, config, arrivals, step_time_ms, rate, seed, max_steps, clock,
+      model, hardware, progress,
+    )  # fmt: skip
   built = _build(
     records, config, arrivals, step_time_ms, rate, seed, clock, model, hardware
   )
@@ -458,6 +467,32 @@ def simulate(
       engine.set_progress_sink(None)
     bar.update(len(records) - bar.n)
   return result
+
+
+def _simulate_sglang(
+  records, config, arrivals, step_time_ms, rate, seed, max_steps, clock,
+  model, hardware, progress=False,
+) -> SimResult:  # fmt: skip
+  """:func:`simulate`'s checks, then SGLang's loop
+  (:mod:`prefixjax.serving.sglang_sim`)."""
+  from prefixjax.serving.sglang_sim import simulate_sglang
+
+  if step_time_ms is not None and not step_time_ms > 0:
+    raise ValueError(f"step_time_ms={step_time_ms!r} must be > 0")
+  timer = _clock(clock, model, hardware)
+  if timer is not None and step_time_ms is not None:
+    raise ValueError("step_time_ms is for clock='steps' only")
+  return simulate_sglang(
+    records,
+    config,
+    arrivals=arrivals,
+    step_time_ms=step_time_ms,
+    rate=rate,
+    seed=seed,
+    max_steps=max_steps,
+    timer=timer,
+    progress=progress,
+  )
 
 
 def _run_one(
@@ -717,6 +752,7 @@ def _field(records, name: str) -> np.ndarray | None:
 
 
 _STATIC = (
+  "semantics",
   "num_gpu_blocks",
   "block_size",
   "max_num_seqs",
@@ -805,6 +841,20 @@ def simulate_batch(
       )
   n = len(configs)
   records = _check_records(trace)
+  if first.semantics == "sglang":  # one after another (not vmapped yet)
+    out = []
+    for c, dt, rt, sd in zip(
+      configs,
+      _per_config("step_time_ms", step_time_ms, n),
+      _per_config("rate", rate, n),
+      _per_config("seed", seed, n),
+      strict=True,
+    ):
+      res = _simulate_sglang(
+        records, c, arrivals, dt, rt, sd, max_steps, clock, model, hardware
+      )
+      out.append(dataclasses.replace(res, lanes_recorded=False))
+    return out
   builds = [
     _build(records, c, arrivals, dt, rt, sd, clock, model, hardware)
     for c, dt, rt, sd in zip(

@@ -211,7 +211,12 @@ REPLAY_FIELDS: dict[str, _Field] = {
 
 SIMULATE_FIELDS: dict[str, _Field] = {
   "workload": _Field(_choice(lambda: ()), help="a [workloads] name"),
-  "semantics": _Field(_choice(lambda: ("vllm",)), "vllm"),
+  "semantics": _Field(
+    _choice(lambda: ("vllm", "sglang")),
+    "vllm",
+    help="vllm: vLLM 0.33's scheduler loop; sglang: SGLang 0.5.23's "
+    "(schedulers fcfs, lpm)",
+  ),
   "scheduler": _Field(_choice(_schedulers), "fcfs"),
   "block_size": _Field(_int(1), 16),
   "num_blocks": _Field(_int(1), 2048, help="usable blocks"),
@@ -734,6 +739,7 @@ def serving_config(params: Mapping[str, Any]):
     max_model_len=params["max_model_len"],
     chunked_prefill=params["chunked_prefill"],
     scheduler=params["scheduler"],
+    semantics=params.get("semantics", "vllm"),
   )
 
 
@@ -749,6 +755,11 @@ def _check_simulate(params, where):
   if params["router"] is None and params["replicas"] != 1:
     raise SpecError(
       f"{where}: simulate.replicas={params['replicas']} needs a router "
+      f"(point {shown})"
+    )
+  if params["router"] is not None and params["semantics"] != "vllm":
+    raise SpecError(
+      f"{where}: simulate.router: routed replicas run vLLM semantics only "
       f"(point {shown})"
     )
   if params["router"] is not None and params["clock"] != "steps":

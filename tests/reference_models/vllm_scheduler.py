@@ -229,6 +229,10 @@ def model_kwargs(config) -> dict[str, Any]:
   del kw["scheduler"]
   if kw.pop("parallel_sampling", "fan_out") != "fan_out":
     raise ValueError("the vLLM 0.33 model has no fork parallel sampling")
+  if kw.pop("semantics", "vllm") != "vllm":
+    raise ValueError("this is the vLLM model; see sglang_scheduler.py")
+  kw.pop("max_prefill_tokens", None)  # SGLang knobs
+  kw.pop("waiting_prefix_refresh", None)
   return kw
 
 

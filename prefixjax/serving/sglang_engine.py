@@ -1,0 +1,1137 @@
+"""SGLang 0.5.23's scheduler loop over its paged radix cache, one jitted loop.
+
+The rules, each with its source in SGLang 0.5.23 (``sglang/srt/``), are in
+``tests/reference_models/sglang_scheduler.py``, the plain-Python model this
+engine reproduces step for step: the normal (non-overlap) event loop, a step
+running either a prefill batch or a decode batch; ``PrefillAdder``'s
+admission (``rem_total = available + evictable - reserved``, each running
+request reserving ``min(max_new_tokens - outputs, 4096) * new_token_ratio``
+tokens, each admitted one ``ceil_page(extend) + page + min(max_new_tokens,
+4096)``), ``max_prefill_tokens``, ``chunked_prefill_size`` (one chunked
+request at a time), ``max_running_requests`` and ``batch_is_full``; the
+prompt published after its prefill (``checkpoint``) and the whole sequence
+at finish; decode-time eviction and retraction (fewest outputs first, the
+request re-prefills prompt + outputs later) with ``new_token_ratio``'s
+retraction estimate and decay; ``fcfs`` (with the waiting-prefix refresh of
+every 32nd ``calc_priority``) and ``lpm`` (with in-batch prefix
+deprioritisation, FCFS over 128 waiting).
+
+Data structures (``V`` pages, page 0 the root; ``R`` requests; ``M`` most
+pages of one request; ``S`` = ``max_running_requests``): pages are trie nodes
+of whole page prefixes (a request's page ``j`` is the page holding its
+tokens ``[jK, (j + 1)K)`` under its whole prefix), so the radix tree is the
+set of cached pages; a radix node is a run of pages, named by its first
+page (``nstart[v]``: the node holding page ``v``), whose last-access time
+and lock count live at that page. A request's lock is a root path of
+``lock_len`` pages (SGLang locks a node and its ancestors; a split copies
+the count, so the locked nodes are those starting on that path). Tree
+verbs cost ``O(M)`` gathers plus ``O(V)`` dense passes (a split finds its
+node's pages, an eviction its leaf), which is simple and exact; the engine
+is for correctness first.
+
+``new_token_ratio`` is float32 here (SGLang: float64): an admission can
+differ where the reserved total is within float32 rounding of the free
+space.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+  "CLIP_MAX_NEW_TOKENS",
+  "Config",
+  "Consts",
+  "Status",
+  "prepare",
+  "run",
+]
+
+CLIP_MAX_NEW_TOKENS = 4096  # schedule_policy.py
+RETRACT_DECODE_STEPS = 20  # environ.py SGLANG_RETRACT_DECODE_STEPS
+INIT_RATIO = 0.7  # environ.py SGLANG_INIT_NEW_TOKEN_RATIO
+MIN_RATIO = INIT_RATIO * 0.14  # SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
+RATIO_DECAY = (INIT_RATIO - MIN_RATIO) / 600  # ..._DECAY_STEPS
+MATCH_MAX = 128  # WAITING_QUEUE_PREFIX_MATCH_MAX
+REFRESH_INTERVAL = 32  # WAITING_PREFIX_REFRESH_INTERVAL
+IN_BATCH = 32  # IN_BATCH_PREFIX_CACHING_{CHECK,DEPRIORITIZE}_THRESHOLD
+_BIG = np.iinfo(np.int32).max
+
+
+class Status:
+  """``status`` bits of a run (0: it ended normally)."""
+
+  OK = 0
+  OUT_OF_MEMORY = 1  # a prefill or decode allocation did not fit
+  STUCK = 2  # nothing runs and a waiting request never fits
+  STEP_ROWS = 4  # more steps than the step buffer has rows
+
+
+class Config(NamedTuple):
+  """Static shape and knobs (hashable: a ``jax.jit`` static argument)."""
+
+  page_size: int
+  num_pages: int
+  max_running: int
+  chunk: int  # chunked_prefill_size; 0: no chunking
+  max_prefill: int
+  policy: str  # "fcfs" | "lpm"
+  refresh: bool  # SGLANG_ENABLE_WAITING_PREFIX_REFRESH
+  steps: int  # step-buffer rows T
+
+
+class Consts(NamedTuple):
+  pages: jax.Array  # [R, M] int32, -1 past the request's full pages
+  parent: jax.Array  # [V] int32
+  depth: jax.Array  # [V] int32
+  prompt: jax.Array  # [R] int32
+  max_new: jax.Array  # [R] int32
+  arrival: jax.Array  # [R] int32 step, _BIG for a rejected request
+  arr_rank: jax.Array  # [R] int32 rank of (arrival, rid)
+  g32: jax.Array  # [R] int32 group of the first 32 tokens, -1 if shorter
+  arr_ms: jax.Array  # [R] int32 arrival ms (a timed clock)
+  arr_frac: jax.Array  # [R] float32 its fraction
+
+
+def _fabricated(rid: int, pos: int) -> int:
+  return (rid * 7919 + pos) % 32000 + 1
+
+
+def prepare(
+  prompts,
+  outputs,
+  max_new,
+  arrival_steps,
+  rejected,
+  page_size: int,
+  arrival_ms=None,
+  arrival_frac=None,
+  sort_by=None,
+) -> Consts:
+  """Host side: page paths, first-32-token groups and arrival ranks.
+
+  Args:
+    prompts: ``R`` prompt token sequences.
+    outputs: ``R`` output token sequences (at least ``max_new`` long).
+    max_new: ``[R]`` outputs each request samples (>= 1).
+    arrival_steps: ``[R]`` arrival step.
+    rejected: ``[R]`` bool, requests refused at arrival.
+    page_size: ``K``.
+    arrival_ms, arrival_frac: ``[R]`` a timed clock's arrival times (ms
+      and its fraction); zeros by default.
+    sort_by: ``[R]`` the arrival order's key (default ``arrival_steps``);
+      ties go by rid.
+  """
+  K = page_size
+  R = len(prompts)
+  ids: dict = {}
+  parent, depth = [0], [0]
+  rows = []
+  groups: dict = {}
+  g32 = np.full((R,), -1, np.int32)
+  for r in range(R):
+    seq = np.concatenate(
+      [np.asarray(prompts[r], np.int64), np.asarray(outputs[r], np.int64)]
+    )[: len(prompts[r]) + int(max_new[r])]
+    if seq.shape[0] >= IN_BATCH:
+      g32[r] = groups.setdefault(seq[:IN_BATCH].tobytes(), len(groups))
+    n = (len(prompts[r]) + int(max_new[r]) - 1) // K
+    node, row = 0, []
+    for j in range(n):
+      key = (node, seq[j * K : (j + 1) * K].tobytes())
+      v = ids.get(key)
+      if v is None:
+        v = ids[key] = len(parent)
+        parent.append(node)
+        depth.append(j)
+      row.append(v)
+      node = v
+    rows.append(row)
+  M = max(1, max(len(x) for x in rows))
+  pages = np.full((R, M), -1, np.int32)
+  for r, row in enumerate(rows):
+    pages[r, : len(row)] = row
+  arrival = np.where(
+    np.asarray(rejected, bool), _BIG, np.asarray(arrival_steps, np.int64)
+  ).astype(np.int32)
+  key = arrival if sort_by is None else np.asarray(sort_by)
+  order = np.lexsort((np.arange(R), key))
+  rank = np.empty((R,), np.int32)
+  rank[order] = np.arange(R, dtype=np.int32)
+  return Consts(
+    pages=jnp.asarray(pages),
+    parent=jnp.asarray(np.asarray(parent, np.int32)),
+    depth=jnp.asarray(np.asarray(depth, np.int32)),
+    prompt=jnp.asarray(np.asarray([len(p) for p in prompts], np.int32)),
+    max_new=jnp.asarray(np.asarray(max_new, np.int32)),
+    arrival=jnp.asarray(arrival),
+    arr_rank=jnp.asarray(rank),
+    g32=jnp.asarray(g32),
+    arr_ms=jnp.asarray(
+      np.zeros((R,), np.int32) if arrival_ms is None else arrival_ms, jnp.int32
+    ),
+    arr_frac=jnp.asarray(
+      np.zeros((R,), np.float32) if arrival_frac is None else arrival_frac,
+      jnp.float32,
+    ),
+  )
+
+
+# ----------------------------------------------------------------- the tree
+class Tree(NamedTuple):
+  cached: jax.Array  # [V] bool
+  nstart: jax.Array  # [V] int32
+  ts: jax.Array  # [V] int32 (at node starts)
+  lock: jax.Array  # [V] int32 (at node starts)
+  clock: jax.Array
+  free: jax.Array  # free pages
+  private: jax.Array  # pages held by requests only
+
+
+def _i32(x):
+  return jnp.asarray(x, jnp.int32)
+
+
+def _path(c: Consts, r):
+  p = c.pages[r]
+  return p, jnp.maximum(p, 0)
+
+
+def _leading(t: Tree, c: Consts, r, n):
+  """Pages of ``r``'s path among its first ``n`` that the tree holds."""
+  p, pv = _path(c, r)
+  j = jnp.arange(p.shape[0])
+  ok = (j < n) & (p >= 0) & t.cached[pv]
+  return _i32(jnp.argmin(jnp.concatenate([ok, jnp.zeros((1,), bool)])))
+
+
+def _walk(t: Tree, c: Consts, r, n):
+  """``_match_prefix_helper`` over ``r``'s first ``n`` pages: (pages, tree)."""
+  h = _leading(t, c, r, n)
+  p, pv = _path(c, r)
+  V = t.cached.shape[0]
+  j = jnp.arange(p.shape[0])
+  now = t.clock + 1
+  start = (j < h) & (t.nstart[pv] == pv)
+  ts = t.ts.at[jnp.where(start, pv, V)].set(now, mode="drop")
+  x = jnp.where(h > 0, t.nstart[pv[jnp.maximum(h - 1, 0)]], 0)
+  in_x = t.cached & (t.nstart == x) & (c.depth >= h)
+  split = (h > 0) & jnp.any(in_x)
+  low = _i32(jnp.argmax(in_x & (c.depth == h)))
+  clock = now + split.astype(jnp.int32)
+  nstart = jnp.where(split & in_x, low, t.nstart)
+  ts = jnp.where(split, ts.at[x].set(clock).at[low].set(now), ts)
+  lock = jnp.where(split, t.lock.at[low].set(t.lock[x]), t.lock)
+  return h, t._replace(ts=ts, nstart=nstart, lock=lock, clock=clock)
+
+
+def _insert(t: Tree, c: Consts, r, n):
+  """``_insert_helper``: (pages already there, tree); the rest a new leaf."""
+  h, t = _walk(t, c, r, n)
+  p, pv = _path(c, r)
+  V = t.cached.shape[0]
+  j = jnp.arange(p.shape[0])
+  new = (j >= h) & (j < n)
+  grow = h < n
+  first = pv[jnp.minimum(h, p.shape[0] - 1)]
+  clock = t.clock + grow.astype(jnp.int32)
+  idx = jnp.where(new, pv, V)
+  cached = t.cached.at[idx].set(True, mode="drop")
+  nstart = t.nstart.at[idx].set(first, mode="drop")
+  ts = jnp.where(grow, t.ts.at[first].set(clock), t.ts)
+  lock = jnp.where(grow, t.lock.at[first].set(0), t.lock)
+  return h, t._replace(
+    cached=cached, nstart=nstart, ts=ts, lock=lock, clock=clock
+  )
+
+
+def _lock(t: Tree, c: Consts, r, n, delta):
+  p, pv = _path(c, r)
+  V = t.cached.shape[0]
+  j = jnp.arange(p.shape[0])
+  start = (j < n) & (t.nstart[pv] == pv)
+  return t._replace(
+    lock=t.lock.at[jnp.where(start, pv, V)].add(delta, mode="drop")
+  )
+
+
+def _evictable(t: Tree, K):
+  v = jnp.arange(t.cached.shape[0])
+  ok = t.cached & (v != 0) & (t.lock[t.nstart] == 0)
+  return K * jnp.sum(ok, dtype=jnp.int32)
+
+
+def _candidates(t: Tree, c: Consts):
+  V = t.cached.shape[0]
+  v = jnp.arange(V)
+  start = t.cached & (t.nstart == v) & (v != 0)
+  kids = (
+    jnp.zeros((V,), jnp.int32)
+    .at[jnp.where(start, t.nstart[c.parent], V)]
+    .add(1, mode="drop")
+  )
+  return start & (kids == 0) & (t.lock == 0)
+
+
+def _evict(t: Tree, c: Consts, K, need):
+  """``RadixCache.evict``: whole LRU unlocked leaves until ``need`` tokens."""
+
+  def cond(s):
+    t, ev, more = s
+    return (ev * K < need) & more
+
+  def body(s):
+    t, ev, _ = s
+    cand = _candidates(t, c)
+    x = jnp.argmin(jnp.where(cand, t.ts, _BIG))
+    m = t.cached & (t.nstart == x) & jnp.any(cand)
+    cnt = jnp.sum(m, dtype=jnp.int32)
+    t = t._replace(cached=t.cached & ~m, free=t.free + cnt)
+    return t, ev + cnt, cnt > 0
+
+  t, _, _ = jax.lax.while_loop(cond, body, (t, _i32(0), jnp.bool_(True)))
+  return t
+
+
+def _evict_for(t: Tree, c: Consts, K, demand):
+  """``evict_to_free_tokens``: evict the shortfall of ``demand`` tokens."""
+  return _evict(t, c, K, demand - t.free * K)
+
+
+# ------------------------------------------------------------ request state
+class Reqs(NamedTuple):
+  n_out: jax.Array
+  prefix: jax.Array
+  extend_end: jax.Array
+  row: jax.Array
+  prot: jax.Array
+  lock_len: jax.Array
+  retr: jax.Array
+  hit: jax.Array
+  first_tok: jax.Array
+  finish: jax.Array
+  arrived: jax.Array
+  waiting: jax.Array
+  running: jax.Array
+  qpos: jax.Array
+  rseq: jax.Array
+  in_batch: jax.Array
+  ext: jax.Array
+  matched: jax.Array
+  slot: jax.Array  # lane in the current / last prefill batch
+  kv: jax.Array  # KV tokens its row holds (after the step's writes)
+  first_sched: jax.Array
+  resume_hit: jax.Array
+  sched_steps: jax.Array
+  prefill_steps: jax.Array
+
+
+class State(NamedTuple):
+  tree: Tree
+  q: Reqs
+  step: jax.Array
+  row: jax.Array  # next step-buffer row
+  qnext: jax.Array
+  seq: jax.Array
+  chunked: jax.Array  # rid or -1
+  full: jax.Array  # batch_is_full
+  ratio: jax.Array  # float32
+  refresh_calls: jax.Array
+  status: jax.Array
+  done: jax.Array
+  time_ms: jax.Array
+  time_frac: jax.Array
+  idle: jax.Array
+  cur: dict  # this step's lanes [S] and scalars
+  out: dict  # step buffers [T, ...]
+
+
+def _set(a, r, v):
+  return a.at[r].set(v)
+
+
+def _checkpoint(t: Tree, q: Reqs, c: Consts, K, r, up_to):
+  """``RadixCache.checkpoint(req, up_to)``."""
+  n = up_to // K
+  h, t = _insert(t, c, r, n)
+  dup = h - q.prot[r]
+  t = t._replace(private=t.private - dup - (n - h), free=t.free + dup)
+  pp = c.prompt[r] // K
+  t = jax.lax.cond(
+    (pp > 0) & (pp < n), lambda t: _insert(t, c, r, pp)[1], lambda t: t, t
+  )
+  _, t = _walk(t, c, r, n)
+  t = _lock(t, c, r, q.lock_len[r], -1)
+  t = _lock(t, c, r, n, 1)
+  q = q._replace(lock_len=_set(q.lock_len, r, n), prot=_set(q.prot, r, n))
+  return t, q
+
+
+def _free_row(t: Tree, q: Reqs, c: Consts, r):
+  private = q.row[r] - q.prot[r]
+  t = t._replace(private=t.private - private, free=t.free + private)
+  t = _lock(t, c, r, q.lock_len[r], -1)
+  zero = _i32(0)
+  q = q._replace(
+    lock_len=_set(q.lock_len, r, zero),
+    row=_set(q.row, r, zero),
+    prot=_set(q.prot, r, zero),
+  )
+  return t, q
+
+
+def _release(t, q, c, K, r):
+  t, q = _checkpoint(t, q, c, K, r, c.prompt[r] + q.n_out[r] - 1)
+  return _free_row(t, q, c, r)
+
+
+def _in_order(mask, key, fn, carry):
+  """``fn(carry, r)`` for every ``r`` in ``mask``, by increasing ``key``."""
+
+  def cond(s):
+    return s[1]
+
+  def body(s):
+    carry, _, prev = s
+    k = jnp.where(mask & (key > prev), key, _BIG)
+    r = _i32(jnp.argmin(k))
+    go = k[r] < _BIG
+    carry = jax.lax.cond(go, lambda x: fn(x, r), lambda x: x, carry)
+    return carry, go, k[r]
+
+  carry, _, _ = jax.lax.while_loop(
+    cond, body, (carry, jnp.bool_(True), _i32(-1))
+  )
+  return carry
+
+
+# ------------------------------------------------------------------ phases
+def _calc_priority(s: State, c: Consts, cfg: Config) -> State:
+  q = s.q
+  K = cfg.page_size
+  nwait = jnp.sum(q.waiting, dtype=jnp.int32)
+  fill = c.prompt + q.n_out
+  if cfg.policy == "lpm":
+    G = max(int(c.g32.shape[0]), 1)
+
+    def match_one(x, r):
+      t, q, seen, dep = x
+      h, t = _walk(t, c, r, fill[r] // K)
+      plen = h * K
+      q = q._replace(matched=_set(q.matched, r, jnp.minimum(plen, fill[r] - 1)))
+      g = c.g32[r]
+      long = (g >= 0) & (fill[r] >= IN_BATCH)
+      low = plen <= IN_BATCH
+      hit = low & long & seen[jnp.maximum(g, 0)]
+      dep = dep.at[r].set(hit)
+      seen = jnp.where(
+        low & long & ~hit, seen.at[jnp.maximum(g, 0)].set(True), seen
+      )
+      return t, q, seen, dep
+
+    def lpm(s):
+      t, q = s.tree, s.q
+      R = q.waiting.shape[0]
+      x = (t, q, jnp.zeros((G,), bool), jnp.zeros((R,), bool))
+      t, q, _, dep = _in_order(q.waiting, q.qpos, match_one, x)
+      key = jnp.where(dep, _BIG - 1, -q.matched)
+      key = jnp.where(q.waiting, key, _BIG)
+      order = jnp.lexsort((q.qpos, key))
+      rank = (
+        jnp.zeros((R,), jnp.int32).at[order].set(jnp.arange(R, dtype=jnp.int32))
+      )
+      q = q._replace(qpos=jnp.where(q.waiting, rank, q.qpos))
+      return s._replace(tree=t, q=q)
+
+    use_lpm = nwait <= MATCH_MAX
+  else:
+    use_lpm = jnp.bool_(False)
+
+  def fcfs(s):
+    if not cfg.refresh:
+      return s
+    calls = s.refresh_calls + (nwait > 0).astype(jnp.int32)
+    go = (nwait > 0) & ((calls - 1) % REFRESH_INTERVAL == 0)
+
+    def touch(s):
+      t, q = s.tree, s.q
+      R = q.waiting.shape[0]
+      W = min(MATCH_MAX, R)
+      order = jnp.argsort(jnp.where(q.waiting, q.qpos, _BIG))[:W]
+      cnt = jnp.minimum(nwait, W)
+
+      def body(i, t):
+        k = cnt - 1 - i
+        r = order[jnp.maximum(k, 0)]
+        return jax.lax.cond(
+          k >= 0, lambda t: _walk(t, c, r, fill[r] // K)[1], lambda t: t, t
+        )
+
+      t = jax.lax.fori_loop(0, W, body, t)
+      return s._replace(tree=t)
+
+    s = s._replace(refresh_calls=calls)
+    return jax.lax.cond(go, touch, lambda s: s, s)
+
+  if cfg.policy == "lpm":
+    return jax.lax.cond(use_lpm, lpm, fcfs, s)
+  return fcfs(s)
+
+
+def _record(cur, i, rid, tok, kind, ctx):
+  def put(name, v):
+    return cur[name].at[i].set(v, mode="drop")
+
+  return dict(
+    cur,
+    sched_rid=put("sched_rid", rid),
+    sched_n=put("sched_n", tok),
+    sched_kind=put("sched_kind", kind),
+    ctx=put("ctx", ctx),
+  )
+
+
+def _prefill(s: State, c: Consts, cfg: Config):
+  """``_get_new_batch_prefill_raw`` + ``prepare_for_extend``: (state, n)."""
+  K = cfg.page_size
+  q = s.q
+  nrun = jnp.sum(q.running, dtype=jnp.int32)
+  nwait = jnp.sum(q.waiting, dtype=jnp.int32)
+  no_chunk = s.chunked < 0
+  skip = (s.full | (nwait == 0)) & no_chunk
+  slots_gone = (cfg.max_running - nrun <= 0) & no_chunk
+  s = s._replace(full=jnp.where(~skip & slots_gone, True, s.full))
+  go = ~skip & ~slots_gone
+
+  def attempt(s):
+    s = _calc_priority(s, c, cfg)
+    t, q = s.tree, s.q
+    left = jnp.minimum(c.max_new - q.n_out, CLIP_MAX_NEW_TOKENS)
+    run_new = jnp.sum(jnp.where(q.running, left, 0), dtype=jnp.int32)
+    total_off = run_new.astype(jnp.float32) * s.ratio
+    chunk = cfg.chunk if cfg.chunk else _BIG // 2
+    b = dict(
+      total_off=total_off,
+      cur_off=_i32(0),
+      rem_input=_i32(cfg.max_prefill),
+      rem_chunk=_i32(chunk),
+      nb=_i32(0),
+      ext_sum=_i32(0),
+    )
+    out = s.cur
+
+    def avail_ev(t):
+      return t.free * K + _evictable(t, K)
+
+    def reserve(b, extend, max_new):
+      ext = -(-extend // K) * K
+      return dict(
+        b,
+        total_off=b["total_off"] + (ext + K + max_new).astype(jnp.float32),
+        cur_off=b["cur_off"] + ext + K,
+        rem_input=b["rem_input"] - ext,
+        rem_chunk=b["rem_chunk"] - (ext if cfg.chunk else 0),
+      )
+
+    def budget(t, b):
+      ae = avail_ev(t)
+      no_token = ~(
+        (ae.astype(jnp.float32) - b["total_off"] > 0) & (ae - b["cur_off"] > 0)
+      )
+      other = (b["rem_input"] <= 0) | (b["rem_chunk"] <= 0)
+      return no_token, other
+
+    chunked = s.chunked
+
+    # add_chunked_req
+    def add_chunked(x):
+      t, q, b, out, chunked = x
+      r = chunked
+      rt = jnp.floor(avail_ev(t).astype(jnp.float32) - b["total_off"]).astype(
+        jnp.int32
+      )
+      avail = jnp.minimum(b["rem_chunk"], rt)
+      rem = jnp.where(avail > 0, avail, b["rem_chunk"])
+      cand = c.prompt[r] + q.n_out[r] - q.prefix[r]
+      trunc = cand > rem
+      new_len = jnp.minimum(cand, rem)
+      q = q._replace(
+        extend_end=_set(q.extend_end, r, q.prefix[r] + new_len),
+        in_batch=_set(q.in_batch, r, True),
+        ext=_set(q.ext, r, new_len),
+        slot=_set(q.slot, r, b["nb"]),
+        kv=_set(q.kv, r, q.prefix[r] + new_len),
+      )
+      out = _record(out, b["nb"], r, new_len, 0, q.prefix[r])
+      b = reserve(
+        b,
+        new_len,
+        jnp.where(trunc, 0, jnp.minimum(c.max_new[r], CLIP_MAX_NEW_TOKENS)),
+      )
+      b = dict(b, nb=b["nb"] + 1, ext_sum=b["ext_sum"] + new_len)
+      return t, q, b, out, jnp.where(trunc, r, -1)
+
+    t, q, b, out, chunked = jax.lax.cond(
+      chunked >= 0, add_chunked, lambda x: x, (t, q, b, out, chunked)
+    )
+
+    # the waiting queue, in order
+    def cond(x):
+      return x[-1]
+
+    def body(x):
+      t, q, b, out, chunked, full, err, prev, _ = x
+      k = jnp.where(q.waiting & (q.qpos > prev), q.qpos, _BIG)
+      r = _i32(jnp.argmin(k))
+      have = k[r] < _BIG
+      no_token, other = budget(t, b)
+      other = other & ~no_token
+      slots = b["nb"] >= cfg.max_running - nrun
+      proceed = have & ~other & ~slots
+      full = jnp.where(have & ~other & slots, True, full)
+
+      def try_one(x):
+        t, q, b, out, chunked, full, err = x
+        fill = c.prompt[r] + q.n_out[r]
+        h, t = _walk(t, c, r, (fill - 1) // K)
+        plen = h * K
+        max_new = jnp.clip(c.max_new[r] - q.n_out[r], 0, CLIP_MAX_NEW_TOKENS)
+        extend = fill - plen
+        total = extend + max_new + K
+        tl = _lock(t, c, r, h, 1)
+        ae = t.free * K + _evictable(tl, K)
+        ok = total.astype(jnp.float32) + b["total_off"] < ae.astype(jnp.float32)
+        ext_tok = -(-extend // K) * K
+        reserved_new = jnp.minimum(c.max_new[r], CLIP_MAX_NEW_TOKENS)
+        is_chunk = (cfg.chunk > 0) & (ext_tok > b["rem_chunk"])
+        cut = b["rem_chunk"] // K * K
+        cut = (plen + cut) // K * K - plen
+        other = is_chunk & (cut <= 0)
+        if not cfg.chunk:
+          other = other | ((b["nb"] > 0) & (ext_tok >= b["rem_input"]))
+        err = err | (ok & ~other & is_chunk & (chunked >= 0))
+        admit = ok & ~other
+        extend = jnp.where(is_chunk, cut, extend)
+        reserved_new = jnp.where(is_chunk, 0, reserved_new)
+        full = jnp.where(~ok, (b["nb"] > 0) | (nrun > 0), full)
+
+        def do_admit(x):
+          t, q, b, out, chunked, full = x
+          t = _lock(t, c, r, h, 1)
+          q = q._replace(
+            lock_len=_set(q.lock_len, r, h),
+            row=_set(q.row, r, h),
+            prot=_set(q.prot, r, h),
+            prefix=_set(q.prefix, r, plen),
+            extend_end=_set(q.extend_end, r, plen + extend),
+            hit=_set(q.hit, r, jnp.where(q.hit[r] < 0, plen, q.hit[r])),
+            in_batch=_set(q.in_batch, r, True),
+            waiting=_set(q.waiting, r, False),
+            ext=_set(q.ext, r, extend),
+            slot=_set(q.slot, r, b["nb"]),
+            kv=_set(q.kv, r, plen + extend),
+            first_sched=_set(
+              q.first_sched,
+              r,
+              jnp.where(q.first_sched[r] < 0, s.step, q.first_sched[r]),
+            ),
+            resume_hit=_set(
+              q.resume_hit,
+              r,
+              q.resume_hit[r] + jnp.where(q.hit[r] < 0, 0, plen),
+            ),
+          )
+          out = _record(
+            out, b["nb"], r, extend, jnp.where(q.retr[r] > 0, 2, 1), plen
+          )
+          b = reserve(b, extend, reserved_new)
+          b = dict(b, nb=b["nb"] + 1, ext_sum=b["ext_sum"] + extend)
+          chunked = jnp.where(is_chunk, r, chunked)
+          no_token, oth = budget(t, b)
+          full = jnp.where(no_token, True, full)
+          return (t, q, b, out, chunked, full), ~no_token & ~oth
+
+        def reject(x):
+          return x, jnp.bool_(False)
+
+        (t, q, b, out, chunked, full), more = jax.lax.cond(
+          admit, do_admit, reject, (t, q, b, out, chunked, full)
+        )
+        return (t, q, b, out, chunked, full, err), more
+
+      (t, q, b, out, chunked, full, err), more = jax.lax.cond(
+        proceed,
+        try_one,
+        lambda x: (x, jnp.bool_(False)),
+        (t, q, b, out, chunked, full, err),
+      )
+      return t, q, b, out, chunked, full, err, jnp.where(have, k[r], prev), more
+
+    x = (t, q, b, out, chunked, s.full, jnp.bool_(False), _i32(-1), True)
+    t, q, b, out, chunked, full, err, _, _ = jax.lax.while_loop(cond, body, x)
+    # prepare_for_extend
+    nb = b["nb"]
+    demand = b["ext_sum"] + (nb * K if K > 1 else 0)
+    t = jax.lax.cond(
+      nb > 0, lambda t: _evict_for(t, c, K, demand), lambda t: t, t
+    )
+    need = jnp.where(q.in_batch, -(-q.extend_end // K) - (-(-q.prefix // K)), 0)
+    total_need = jnp.sum(need, dtype=jnp.int32)
+    oom = total_need > t.free
+    t = t._replace(free=t.free - total_need, private=t.private + total_need)
+    q = q._replace(row=q.row + need)
+    status = (
+      s.status
+      | jnp.where(oom, Status.OUT_OF_MEMORY, 0)
+      | jnp.where(err, Status.OUT_OF_MEMORY, 0)
+    )
+    s = s._replace(
+      tree=t, q=q, cur=out, chunked=chunked, full=full, status=status
+    )
+    return s, nb
+
+  return jax.lax.cond(go, attempt, lambda s: (s, _i32(0)), s)
+
+
+def _finish_prefill(s: State, c: Consts, cfg: Config) -> State:
+  """``process_batch_result_prefill``: sample, then finish or publish."""
+  K = cfg.page_size
+
+  def one(x, r):
+    t, q, cur = x
+    skip = r == s.chunked
+    n_out = q.n_out[r] + 1
+
+    def go(x):
+      t, q, cur = x
+      q = q._replace(
+        n_out=_set(q.n_out, r, n_out),
+        first_tok=_set(
+          q.first_tok, r, jnp.where(q.first_tok[r] < 0, s.step, q.first_tok[r])
+        ),
+      )
+      done = n_out >= c.max_new[r]
+
+      def fin(x):
+        t, q, cur = x
+        q = q._replace(finish=_set(q.finish, r, s.step))
+        t, q = _release(t, q, c, K, r)
+        return t, q, _finished(cur, r)
+
+      def pub(x):
+        t, q, cur = x
+        t, q = _checkpoint(t, q, c, K, r, q.extend_end[r])
+        return t, q._replace(prefix=_set(q.prefix, r, q.extend_end[r])), cur
+
+      return jax.lax.cond(done, fin, pub, (t, q, cur))
+
+    return jax.lax.cond(skip, lambda x: x, go, (t, q, cur))
+
+  q = s.q
+  q = q._replace(
+    sched_steps=q.sched_steps + q.in_batch.astype(jnp.int32),
+    prefill_steps=q.prefill_steps + q.in_batch.astype(jnp.int32),
+  )
+  t, q, cur = _in_order(q.in_batch, q.slot, one, (s.tree, q, s.cur))
+  return s._replace(tree=t, q=q, cur=cur)
+
+
+def _finished(cur, r):
+  n = cur["num_finished"]
+  return dict(
+    cur,
+    finished=cur["finished"].at[n].set(r, mode="drop"),
+    num_finished=n + 1,
+  )
+
+
+def _decode(s: State, c: Consts, cfg: Config) -> State:
+  """``update_running_batch`` (retraction), ``prepare_for_decode``, and
+  ``process_batch_result_decode``."""
+  K = cfg.page_size
+  t, q = s.tree, s.q
+  committed = c.prompt + q.n_out - 1
+
+  def need_of(kept):
+    return K * jnp.sum(kept & (committed % K == 0), dtype=jnp.int32)
+
+  def fits(t, kept):
+    need = need_of(kept)
+    t = _evict_for(t, c, K, need)
+    return t, t.free * K >= need
+
+  t, ok = fits(t, q.running)
+
+  def retract(x):
+    t, q, status, qnext, cur = x
+
+    def cond(y):
+      return y[-1]
+
+    def body(y):
+      t, q, kept, qnext, cur, first, _ = y
+      t, ok = jax.lax.cond(
+        first, lambda t: (t, jnp.bool_(False)), lambda t: fits(t, kept), t
+      )
+      nk = jnp.sum(kept, dtype=jnp.int32)
+      go = ~ok & (nk > 1)
+      # victim: fewest outputs, then longest prompt, then latest in batch
+      k1 = jnp.where(kept, q.n_out, _BIG)
+      m1 = kept & (q.n_out == jnp.min(k1))
+      k2 = jnp.where(m1, c.prompt, -1)
+      m2 = m1 & (c.prompt == jnp.max(k2))
+      v = _i32(jnp.argmax(jnp.where(m2, q.rseq, -1)))
+
+      def do(z):
+        t, q, kept, qnext, cur = z
+        t, q = _free_row(t, q, c, v)
+        kept = kept.at[v].set(False)
+        t = _evict_for(t, c, K, (nk - 1) * RETRACT_DECODE_STEPS)
+        q = q._replace(
+          prefix=_set(q.prefix, v, 0),
+          kv=_set(q.kv, v, 0),
+          retr=_set(q.retr, v, q.retr[v] + 1),
+          running=_set(q.running, v, False),
+          waiting=_set(q.waiting, v, True),
+          qpos=_set(q.qpos, v, qnext),
+        )
+        n = cur["num_preempted"]
+        cur = dict(
+          cur,
+          preempted=cur["preempted"].at[n].set(v, mode="drop"),
+          num_preempted=n + 1,
+        )
+        return t, q, kept, qnext + 1, cur
+
+      t, q, kept, qnext, cur = jax.lax.cond(
+        go, do, lambda z: z, (t, q, kept, qnext, cur)
+      )
+      return t, q, kept, qnext, cur, jnp.bool_(False), go
+
+    t, q, kept, qnext, cur, _, _ = jax.lax.while_loop(
+      cond,
+      body,
+      (t, q, q.running, qnext, cur, jnp.bool_(True), jnp.bool_(True)),
+    )
+    nk = jnp.sum(kept, dtype=jnp.int32)
+    t, ok = jax.lax.cond(
+      nk <= 1, lambda t: fits(t, kept), lambda t: (t, jnp.bool_(True)), t
+    )
+    status = status | jnp.where(ok, 0, Status.OUT_OF_MEMORY)
+    outs = jnp.sum(jnp.where(kept, q.n_out, 0), dtype=jnp.int32)
+    maxs = jnp.sum(jnp.where(kept, c.max_new, 0), dtype=jnp.int32)
+    ratio = jnp.minimum(
+      1.0,
+      (outs + RETRACT_DECODE_STEPS * nk).astype(jnp.float32)
+      / (maxs + 1).astype(jnp.float32),
+    )
+    return t, q, status, ratio, qnext, cur
+
+  def keep(x):
+    t, q, status, qnext, cur = x
+    ratio = jnp.maximum(s.ratio - RATIO_DECAY, MIN_RATIO).astype(jnp.float32)
+    return t, q, status, ratio, qnext, cur
+
+  t, q, status, ratio, qnext, cur = jax.lax.cond(
+    ok, keep, retract, (t, q, s.status, s.qnext, s.cur)
+  )
+  nret = jnp.sum(s.q.running & ~q.running, dtype=jnp.int32)
+  full = jnp.where(nret > 0, False, s.full)
+  # prepare_for_decode
+  nrun = jnp.sum(q.running, dtype=jnp.int32)
+  t = _evict_for(t, c, K, nrun * K)
+  page = q.running & (committed % K == 0)
+  newp = jnp.sum(page, dtype=jnp.int32)
+  status = status | jnp.where(newp > t.free, Status.OUT_OF_MEMORY, 0)
+  t = t._replace(free=t.free - newp, private=t.private + newp)
+  run_i = q.running.astype(jnp.int32)
+  q = q._replace(
+    row=q.row + page.astype(jnp.int32),
+    kv=q.kv + run_i,
+    sched_steps=q.sched_steps + run_i,
+  )
+  # the batch in running order
+  S = cur["sched_rid"].shape[0]
+  order = _i32(jnp.argsort(jnp.where(q.running, q.rseq, _BIG))[:S])
+  lanes = jnp.arange(S) < nrun
+  cur = dict(
+    cur,
+    sched_rid=jnp.where(lanes, order, -1),
+    sched_n=lanes.astype(jnp.int32),
+    sched_kind=jnp.zeros((S,), jnp.int32),
+    ctx=jnp.where(lanes, committed[order], 0),
+    free_sched=t.free,
+  )
+  cur = _sched_frag(cur, t, q, K)
+  n_out = q.n_out + run_i
+  done = q.running & (n_out >= c.max_new)
+  q = q._replace(n_out=n_out, finish=jnp.where(done, s.step, q.finish))
+
+  def fin(x, r):
+    t, q, cur = x
+    t, q = _release(t, q, c, K, r)
+    return t, q, _finished(cur, r)
+
+  t, q, cur = _in_order(done, q.rseq, fin, (t, q, cur))
+  return s._replace(
+    tree=t, q=q, ratio=ratio, status=status, cur=cur, qnext=qnext, full=full
+  )
+
+
+def _sched_frag(cur, t: Tree, q: Reqs, K):
+  """Free pages (plus evictable ones) and empty reserved slots, after
+  scheduling."""
+  frag = jnp.sum(jnp.where(q.row > 0, q.row * K - q.kv, 0), dtype=jnp.int32)
+  return dict(cur, free_sched=t.free + _evictable(t, K) // K, frag=frag)
+
+
+def _arrive(s: State, c: Consts, timed: bool) -> State:
+  q = s.q
+  if timed:
+    due = (c.arr_ms < s.time_ms) | (
+      (c.arr_ms == s.time_ms) & (c.arr_frac <= s.time_frac)
+    )
+    due = due & (c.arrival < _BIG)
+  else:
+    due = c.arrival <= s.step
+  new = ~q.arrived & due
+  any_new = jnp.any(new)
+  q = q._replace(
+    arrived=q.arrived | new,
+    waiting=q.waiting | new,
+    qpos=jnp.where(new, s.qnext + c.arr_rank, q.qpos),
+  )
+  R = q.waiting.shape[0]
+  return s._replace(q=q, qnext=s.qnext + jnp.where(any_new, R, 0))
+
+
+def _merge(s: State, c: Consts, cfg: Config) -> State:
+  """``get_next_batch_to_run``'s stash, merge and filter."""
+  K = cfg.page_size
+  t, q = s.tree, s.q
+  ch = s.chunked
+  chv = jnp.maximum(ch, 0)
+
+  def stash(x):
+    t, q = x
+    t, q = _checkpoint(t, q, c, K, ch, q.extend_end[ch])
+    return t, q._replace(prefix=_set(q.prefix, ch, q.extend_end[ch]))
+
+  go = (ch >= 0) & (q.extend_end[chv] > q.prefix[chv])
+  t, q = jax.lax.cond(go, stash, lambda x: x, (t, q))
+  R = q.waiting.shape[0]
+  is_ch = jnp.arange(R) == ch
+  finished = q.finish >= 0
+  batch = q.in_batch
+  left = jnp.any(batch & (is_ch | finished))
+  join = batch & ~is_ch & ~finished
+  rseq = jnp.where(join, s.seq + q.slot, q.rseq)
+  gone = q.running & finished
+  running = (q.running & ~finished) | join
+  full = jnp.where(left | jnp.any(gone) | ~jnp.any(running), False, s.full)
+  q = q._replace(
+    running=running,
+    rseq=rseq,
+    in_batch=jnp.zeros_like(batch),
+    ext=jnp.zeros_like(q.ext),
+  )
+  S = s.cur["sched_rid"].shape[0]
+  return s._replace(tree=t, q=q, full=full, seq=s.seq + S)
+
+
+def _fresh_cur(S: int) -> dict:
+  z = jnp.zeros((S,), jnp.int32)
+  m1 = jnp.full((S,), -1, jnp.int32)
+  return dict(
+    sched_rid=m1, sched_n=z, sched_kind=z, ctx=z, preempted=m1, finished=m1,
+    num_preempted=_i32(0), num_finished=_i32(0), free_sched=_i32(0),
+    frag=_i32(0),
+  )  # fmt: skip
+
+
+def _step(s: State, c: Consts, cfg: Config, clock) -> State:
+  timed = clock is not None
+  s = _arrive(s, c, timed)
+  s = _merge(s, c, cfg)
+  S = s.cur["sched_rid"].shape[0]
+  s = s._replace(cur=_fresh_cur(S))
+  s, nb = _prefill(s, c, cfg)
+
+  def prefill_step(s):
+    cur = _sched_frag(
+      dict(s.cur, free_sched=s.tree.free), s.tree, s.q, cfg.page_size
+    )
+    s = _finish_prefill(s._replace(cur=cur), c, cfg)
+    return _close(s, c, cfg, clock, prefill=True)
+
+  def other(s):
+    nrun = jnp.sum(s.q.running, dtype=jnp.int32)
+
+    def decode_step(s):
+      s = _decode(s, c, cfg)
+      return _close(s, c, cfg, clock, prefill=False)
+
+    def idle(s):
+      q = s.q
+      stuck = jnp.any(q.waiting)
+      left = ~q.arrived & (c.arrival < _BIG)
+      done = stuck | ~jnp.any(left)
+      if timed:
+        nxt = _i32(jnp.argmin(jnp.where(left, c.arr_rank, _BIG)))
+        later = ~done & (
+          (c.arr_ms[nxt] > s.time_ms)
+          | ((c.arr_ms[nxt] == s.time_ms) & (c.arr_frac[nxt] > s.time_frac))
+        )
+        s = s._replace(
+          time_ms=jnp.where(later, c.arr_ms[nxt], s.time_ms),
+          time_frac=jnp.where(later, c.arr_frac[nxt], s.time_frac),
+        )
+        step = s.step
+      else:
+        nxt = jnp.min(jnp.where(left, c.arrival, _BIG))
+        step = jnp.where(done, s.step, jnp.maximum(s.step, nxt))
+      return s._replace(
+        ratio=jnp.float32(INIT_RATIO),
+        status=s.status | jnp.where(stuck, Status.STUCK, 0),
+        done=done,
+        idle=s.idle + step - s.step,
+        step=step,
+      )
+
+    return jax.lax.cond(nrun > 0, decode_step, idle, s)
+
+  s = jax.lax.cond(nb > 0, prefill_step, other, s)
+  T = s.out["step"].shape[0]
+  over = s.row >= T
+  return s._replace(
+    status=s.status | jnp.where(over & ~s.done, Status.STEP_ROWS, 0),
+    done=s.done | over,
+  )
+
+
+def _close(s: State, c: Consts, cfg: Config, clock, prefill: bool) -> State:
+  """Writes the step's record into row ``s.row`` and advances the clock."""
+  cur, q = s.cur, s.q
+  lanes = cur["sched_rid"] >= 0
+  new = jnp.where(lanes, cur["sched_n"], 0)
+  if clock is None:
+    dt_s = jnp.float32(0)
+  else:
+    ctx = jnp.where(lanes, cur["ctx"], 0)
+    dt_s = jnp.asarray(clock.step_time_s(new, ctx), jnp.float32)
+  tokens = jnp.sum(new, dtype=jnp.int32)
+  holding = q.running | (q.in_batch & (q.finish < 0))
+  rec = dict(
+    step=s.step,
+    sched_rid=cur["sched_rid"],
+    sched_n=cur["sched_n"],
+    sched_kind=cur["sched_kind"],
+    preempted=cur["preempted"],
+    finished=cur["finished"],
+    num_running=jnp.sum(holding, dtype=jnp.int32),
+    num_waiting=jnp.sum(q.waiting, dtype=jnp.int32),
+    free_blocks=cur["free_sched"],
+    free_blocks_end=s.tree.free
+    + _evictable(s.tree, cfg.page_size) // cfg.page_size,
+    prefill_tokens=tokens if prefill else _i32(0),
+    decode_tokens=_i32(0) if prefill else tokens,
+    pc_hits=_i32(0),
+    pc_queries=_i32(0),
+    frag_tokens=cur["frag"],
+    time_ms=s.time_ms,
+    time_frac=s.time_frac,
+    dt_s=dt_s,
+  )
+  out = {
+    k: s.out[k].at[s.row].set(v.astype(s.out[k].dtype), mode="drop")
+    for k, v in rec.items()
+  }
+  s = s._replace(out=out, row=s.row + 1, step=s.step + 1)
+  if clock is not None:
+    frac = s.time_frac + dt_s * 1e3
+    carry = jnp.floor(frac)
+    s = s._replace(
+      time_ms=s.time_ms + carry.astype(jnp.int32), time_frac=frac - carry
+    )
+  return s
+
+
+RECORD_FIELDS = (
+  "step", "sched_rid", "sched_n", "sched_kind", "preempted", "finished",
+  "num_running", "num_waiting", "free_blocks", "free_blocks_end",
+  "prefill_tokens", "decode_tokens", "pc_hits", "pc_queries", "frag_tokens",
+  "time_ms", "time_frac", "dt_s",
+)  # fmt: skip
+_LANES = ("sched_rid", "sched_n", "sched_kind", "preempted", "finished")
+
+
+def init(c: Consts, cfg: Config) -> State:
+  R = c.prompt.shape[0]
+  V = c.parent.shape[0]
+  T, S = cfg.steps, min(cfg.max_running, R)
+  z = jnp.zeros((R,), jnp.int32)
+  f = jnp.zeros((R,), bool)
+  m1 = jnp.full((R,), -1, jnp.int32)
+  tree = Tree(
+    cached=jnp.zeros((V,), bool).at[0].set(True),
+    nstart=jnp.zeros((V,), jnp.int32),
+    ts=jnp.zeros((V,), jnp.int32),
+    lock=jnp.zeros((V,), jnp.int32).at[0].set(1),
+    clock=_i32(0),
+    free=_i32(cfg.num_pages),
+    private=_i32(0),
+  )
+  q = Reqs(
+    n_out=z, prefix=z, extend_end=z, row=z, prot=z, lock_len=z, retr=z,
+    hit=m1, first_tok=m1, finish=m1, arrived=f, waiting=f, running=f,
+    qpos=z, rseq=z, in_batch=f, ext=z, matched=z, slot=z, kv=z,
+    first_sched=m1, resume_hit=z, sched_steps=z, prefill_steps=z,
+  )  # fmt: skip
+  out = {}
+  for k in RECORD_FIELDS:
+    dtype = jnp.float32 if k in ("time_frac", "dt_s") else jnp.int32
+    shape = (T, S) if k in _LANES else (T,)
+    fill = -1 if k in ("sched_rid", "preempted", "finished") else 0
+    out[k] = jnp.full(shape, fill, dtype)
+  return State(
+    tree=tree, q=q, step=_i32(0), row=_i32(0), qnext=_i32(0), seq=_i32(0),
+    chunked=_i32(-1), full=jnp.bool_(False), ratio=jnp.float32(INIT_RATIO),
+    refresh_calls=_i32(0), status=_i32(0), done=jnp.bool_(False),
+    time_ms=_i32(0), time_frac=jnp.float32(0), cur=_fresh_cur(S), out=out,
+    idle=_i32(0),
+  )  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "clock", "progress"))
+def run(c: Consts, cfg: Config, clock=None, progress: bool = False) -> State:
+  """The whole loop: arrivals, prefill or decode steps, until all finish.
+
+  ``clock``: ``None`` (steps: ``c.arrival`` are steps) or an object with
+  ``step_time_s(new_tokens [S], context_tokens [S])`` (``c.arr_ms`` /
+  ``c.arr_frac`` are the arrival times; step numbers count executed
+  steps). ``progress``: every ``PROGRESS_EVERY`` executed steps, report
+  ``(requests finished, steps)`` to the sink of
+  :func:`prefixjax.serving.vllm_v1.set_progress_sink`.
+  """
+  from prefixjax.serving import vllm_v1
+
+  def body(s):
+    row = s.row
+    s = _step(s, c, cfg, clock)
+    if progress:
+      every = vllm_v1.PROGRESS_EVERY
+      done = jnp.sum(s.q.finish >= 0, dtype=jnp.int32)
+      jax.lax.cond(
+        (s.row > row) & (s.row % every == 0),
+        lambda: jax.debug.callback(vllm_v1._report_progress, done, s.row),
+        lambda: None,
+      )
+    return s
+
+  s = init(c, cfg)
+  return jax.lax.while_loop(lambda s: ~s.done & (s.status == 0), body, s)

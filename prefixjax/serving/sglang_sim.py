@@ -1,0 +1,231 @@
+"""Host side of ``semantics="sglang"``: records in, a :class:`SimResult` out.
+
+:func:`simulate_sglang` prepares a trace for
+:mod:`prefixjax.serving.sglang_engine` (SGLang 0.5.23's scheduler loop, one
+jitted ``lax.while_loop``), runs it, doubling the step rows while they run
+out, and returns the same :class:`SimResult` as the vLLM semantics, so
+:meth:`SimResult.metrics`, :meth:`SimResult.requests`, the CLI and sweeps
+read both alike. Differences in meaning: ``num_preemptions`` counts
+SGLang's retractions, ``resume_hit_tokens`` the hits when a retracted
+request is admitted again, ``free_blocks`` counts free plus evictable pages
+(the pages no running request holds, as vLLM's free queue holds its cached
+blocks), and ``sched_kind`` 1 / 2 / 0 is a first admission / an admission
+after a retraction / a running request (a decode or a chunk continued).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from prefixjax.serving import sglang_engine as eng
+from prefixjax.serving.config import ServingConfig
+from prefixjax.serving.engine_state import StepRecord
+from prefixjax.serving.results import SimResult
+from prefixjax.serving.simulate import (
+  NUM_FABRICATED_VOCAB,
+  _parse,
+  arrival_steps,
+  arrival_times_s,
+)
+
+__all__ = ["simulate_sglang"]
+
+_STATUS = {
+  eng.Status.OK: "OK",
+  eng.Status.STEP_ROWS: "OUT_OF_STEPS",
+  eng.Status.OUT_OF_MEMORY: "OUT_OF_MEMORY",
+  eng.Status.STUCK: "STALLED",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+  consts: eng.Consts
+  cfg: eng.Config
+  host: dict[str, Any]
+
+
+def _prepare(
+  records: list[Mapping[str, Any]],
+  config: ServingConfig,
+  arrivals,
+  step_time_ms,
+  rate,
+  seed,
+  timer,
+) -> _Prepared:
+  k, mml = config.block_size, config.max_model_len
+  r = len(records)
+  prompts, outputs = [], []
+  prompt_len = np.zeros((r,), np.int32)
+  max_tokens = np.zeros((r,), np.int32)
+  max_new = np.ones((r,), np.int32)
+  rejected = np.zeros((r,), bool)
+  for rid, rec in enumerate(records):
+    prompt, mt, out_ids = _parse(rid, rec)
+    p = len(prompt)
+    prompt_len[rid], max_tokens[rid] = p, mt
+    prompts.append(prompt)
+    if not 0 < p < mml:  # SGLang refuses a prompt of the context length
+      rejected[rid] = True
+      outputs.append(np.zeros((1,), np.int64))
+      continue
+    n = max(min(mt, mml - p), 1)
+    given = min(len(out_ids), n)
+    pos = np.arange(given, n, dtype=np.int64)
+    fab = (rid * 7919 + pos) % NUM_FABRICATED_VOCAB + 1
+    outputs.append(np.concatenate([out_ids[:given], fab]))
+    max_new[rid] = n
+  arrival_ms = arrival_frac = arrival_msf = arrival_s = None
+  if timer is None:
+    arrival = arrival_steps(records, arrivals, step_time_ms, rate, seed)
+    sort_by = arrival
+  else:
+    arrival = np.zeros((r,), np.int32)
+    secs = arrival_times_s(records, arrivals, rate, seed)
+    ms = np.floor(secs * 1e3)
+    arrival_frac = (secs * 1e3 - ms).astype(np.float32)
+    arrival_ms = ms.astype(np.int32)
+    arrival_msf = arrival_ms + arrival_frac.astype(np.float64)
+    arrival_s = arrival_msf / 1e3
+    sort_by = arrival_s
+  consts = eng.prepare(
+    prompts,
+    outputs,
+    max_new,
+    arrival,
+    rejected,
+    k,
+    arrival_ms=arrival_ms,
+    arrival_frac=arrival_frac,
+    sort_by=sort_by,
+  )
+  ok = ~rejected
+  work = int(prompt_len[ok].sum()) // max(config.max_num_batched_tokens, 1)
+  rows = 1 << (work + 2 * r + int(max_new[ok].sum()) + 64).bit_length()
+  cfg = eng.Config(
+    page_size=k,
+    num_pages=config.num_gpu_blocks - 1,
+    max_running=config.max_num_seqs,
+    chunk=config.max_num_batched_tokens if config.chunked_prefill else 0,
+    max_prefill=config.max_prefill_tokens,
+    policy=config.scheduler,
+    refresh=config.waiting_prefix_refresh,
+    steps=rows,
+  )
+  return _Prepared(
+    consts,
+    cfg,
+    dict(
+      prompt_len=prompt_len,
+      max_tokens=max_tokens,
+      arrival=arrival,
+      arrival_s=arrival_s,
+      arrival_msf=arrival_msf,
+      rejected=rejected,
+    ),
+  )
+
+
+def simulate_sglang(
+  records: list[Mapping[str, Any]],
+  config: ServingConfig,
+  *,
+  arrivals="zero",
+  step_time_ms=None,
+  rate=None,
+  seed=0,
+  max_steps=None,
+  timer=None,
+  progress: bool = False,
+) -> SimResult:
+  """:func:`prefixjax.serving.simulate` with ``semantics="sglang"``.
+
+  ``records`` after :func:`prefixjax.serving.simulate.fan_out`; ``timer``
+  ``None`` (the steps clock) or a clock object (see :func:`simulate`);
+  ``progress``: a tqdm bar of finished requests on stderr.
+  """
+  if config.semantics != "sglang":
+    raise ValueError("simulate_sglang needs ServingConfig.semantics='sglang'")
+  prep = _prepare(records, config, arrivals, step_time_ms, rate, seed, timer)
+  cfg = prep.cfg
+  if max_steps is not None:
+    cfg = cfg._replace(steps=int(max_steps))
+  bar = None
+  if progress:
+    from tqdm import tqdm
+
+    from prefixjax.serving import vllm_v1
+
+    bar = tqdm(total=len(records), unit="req", desc="simulate (sglang)")
+
+    def update(done, steps):
+      bar.set_postfix_str(f"{steps:,} steps", refresh=False)
+      bar.update(done - bar.n)
+
+    vllm_v1.set_progress_sink(update)
+  try:
+    while True:
+      final = eng.run(prep.consts, cfg, clock=timer, progress=progress)
+      final = jax.device_get(final)
+      status = int(final.status)
+      if not (max_steps is None and status & eng.Status.STEP_ROWS):
+        break
+      cfg = cfg._replace(steps=cfg.steps * 2)
+  finally:
+    if bar is not None:
+      vllm_v1.set_progress_sink(None)
+      bar.update(len(records) - bar.n)
+      bar.close()
+  return _collect(prep, config, final, step_time_ms, timer)
+
+
+def _status_name(status: int) -> str:
+  for bit in (eng.Status.OUT_OF_MEMORY, eng.Status.STUCK, eng.Status.STEP_ROWS):
+    if status & bit:
+      return _STATUS[bit]
+  return "OK"
+
+
+def _collect(prep: _Prepared, config, final, step_time_ms, timer) -> SimResult:
+  h = prep.host
+  q = final.q
+  out = final.out
+  n = int(final.row)
+  trace = StepRecord(**{k: np.asarray(out[k]) for k in eng.RECORD_FIELDS})
+  arrival = h["arrival"]
+  if timer is not None:  # the first step that started at or after
+    start = trace.time_ms[:n].astype(np.float64) + trace.time_frac[:n]
+    arrival = np.searchsorted(start, h["arrival_msf"], side="left").astype(
+      np.int32
+    )
+  return SimResult(
+    config=config,
+    status=_status_name(int(final.status)),
+    num_steps=n,
+    idle_steps=int(final.idle),
+    step_time_ms=None if step_time_ms is None else float(step_time_ms),
+    trace=trace,
+    prompt_len=h["prompt_len"],
+    max_tokens=h["max_tokens"],
+    arrival_step=arrival,
+    rejected=h["rejected"],
+    finished=np.asarray(q.finish) >= 0,
+    first_sched_step=np.asarray(q.first_sched),
+    hit_first_sched=np.maximum(np.asarray(q.hit), 0),
+    first_token_step=np.asarray(q.first_tok),
+    finish_step=np.asarray(q.finish),
+    num_output_tokens=np.asarray(q.n_out),
+    num_preemptions=np.asarray(q.retr),
+    resume_hit_tokens=np.asarray(q.resume_hit),
+    sched_steps=np.asarray(q.sched_steps),
+    prefill_steps=np.asarray(q.prefill_steps),
+    priority=None,
+    clock="steps" if timer is None else timer,
+    arrival_s=h["arrival_s"],
+  )

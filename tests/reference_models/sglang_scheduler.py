@@ -1,0 +1,596 @@
+"""Plain-Python model of SGLang 0.5.23's scheduler loop (test oracle).
+
+The normal (non-overlap) event loop of ``srt/managers/scheduler.py``
+(``Scheduler.event_loop_normal``) over a paged ``RadixCache`` with LRU
+eviction (the tree verbs are :class:`SglangRadixCache`'s, checked against
+the real cache, see :mod:`tests.reference_models.sglang_radix`), with the
+``fcfs`` or ``lpm`` schedule policy, chunked prefill, no mixed chunks (SGLang's
+default ``enable_mixed_chunk=False``), no priority scheduling, one data-
+parallel rank. Requests are not ``ignore_eos`` (the scheduler does not know
+an output stops at ``max_new_tokens`` before it does, so the
+``new_token_ratio`` estimate applies); each stops at its ``max_new_tokens``
+(the trace's output length). Paths are in the 0.5.23 wheel's ``sglang/srt/``.
+
+One loop iteration is one engine step; the step runs either a prefill batch
+or a decode batch, never both (``get_next_batch_to_run``: "Run prefill first
+if possible"). Step ``s``:
+
+1. Arrivals with ``arrival_step <= s`` join the back of the waiting queue
+   (``_add_request_to_queue``: ``waiting_queue.append``).
+2. ``get_next_batch_to_run``: a request in the middle of a chunked prefill
+   publishes its computed chunk (``stash_chunked_request`` ->
+   ``common.py checkpoint_kv_cache``); the last prefill batch, minus the
+   chunked request and finished requests, is appended to the running batch
+   (``filter_batch``, ``merge_batch``); finished requests leave the running
+   batch. Any request leaving clears ``batch_is_full``.
+3. ``_get_new_batch_prefill_raw``: nothing when (``batch_is_full`` or no
+   request waits) and no chunked request is pending, or when no request
+   slot is left (``get_num_allocatable_reqs``: ``max_running_requests -
+   running``; the request-row pool is assumed larger, as SGLang sizes it).
+   Else ``SchedulePolicy.calc_priority`` orders the queue (``fcfs``: queue
+   order, and on its 1st, 33rd, 65th, ... call ``_touch_waiting_prefixes``
+   refreshes the prompt path of the first 128 waiting requests, head last;
+   ``lpm``: every waiting request is matched against the tree, uncapped,
+   and sorted by ``-min(match, len - 1)`` (stable), except that a request
+   whose match is at most 32 tokens and which shares at least 32 tokens with
+   an earlier low-match request of the queue (the simulated waiting-queue
+   tree, token granular) goes last; more than 128 waiting: FCFS order, no
+   matching). A ``PrefillAdder`` (``schedule_policy.py``, budgets from
+   ``mem_cache/prefill_budget.py PrefillBudget``) then admits:
+
+   * ``rem_total = available + evictable - total_offset`` and ``rem_current
+     = available + evictable - current_offset`` (tokens; ``evictable`` is
+     the tree's unlocked size); ``total_offset`` starts at the running
+     requests' ``min(max_new_tokens - outputs, 4096) * new_token_ratio``
+     (``_get_running_request_total_token_offset``);
+   * the chunked request first (``add_chunked_req``): ``min(rem_chunk,
+     int(rem_total))`` tokens (``rem_chunk`` when that is not positive),
+     not page-aligned;
+   * then each waiting request in order (``add_one_req``): stop
+     (``batch_is_full``) once ``max_running_requests - running`` requests
+     are in the batch; match its prefix, capped at ``len - 1`` tokens
+     (``Req.init_next_round_input``); with that prefix locked for the check
+     (``_lock_node``), it needs ``extend + min(max_new_tokens - outputs,
+     4096) + page_size < rem_total`` (``PrefillBudget.check_prefill``), else
+     NO_TOKEN; an extend longer than ``rem_chunk`` (page-ceiled) is cut to
+     ``rem_chunk`` rounded down to pages (and its end to a page boundary)
+     and becomes the chunked request, reserving no decode tokens;
+   * each admission reserves ``ceil_page(extend) + page_size +
+     max_new_tokens_reserved`` of ``total_offset`` (``ceil_page(extend) +
+     page_size`` of ``current_offset``) and takes ``ceil_page(extend)``
+     from ``rem_input`` (``max_prefill_tokens``) and ``rem_chunk``
+     (``chunked_prefill_size``); then NO_TOKEN unless ``rem_total > 0`` and
+     ``rem_current > 0``, OTHER (stop) once ``rem_input`` or ``rem_chunk``
+     is spent (``budget_state``); a NO_TOKEN sets ``batch_is_full`` when
+     something runs or was admitted.
+4. A prefill batch allocates (``allocation.py
+   alloc_paged_token_slots_extend``): evict until ``sum(extend) + batch *
+   page_size`` tokens are free (``sum(extend)`` when ``page_size == 1``),
+   then each request takes ``cdiv(extend_end, K) - cdiv(prefix, K)`` pages.
+   After the forward (``batch_result_processor.py
+   process_batch_result_prefill``) every request but the chunked one samples
+   a token; a finished one is released with a checkpoint, the others publish
+   their prefill (``checkpoint_kv_cache``).
+5. Otherwise the running batch decodes (``update_running_batch``):
+   ``check_decode_mem`` evicts until ``K * #{requests whose KV length is a
+   multiple of K}`` tokens are free and checks they are; if not,
+   ``retract_decode`` retracts requests (fewest outputs first, then longest
+   prompt, then latest in the batch; at least one always, one always kept)
+   until the check passes: each is released without a checkpoint (its
+   published prefix stays in the tree, unlocked) and then ``(requests still
+   kept) * 20`` tokens are freed by eviction (``release_req``,
+   ``SGLANG_RETRACT_DECODE_STEPS``), and goes to the back of the waiting
+   queue with its outputs (it re-prefills prompt + outputs);
+   ``new_token_ratio`` becomes ``min(1, (outputs + 20 * n) / (max_new + 1))``
+   over the kept requests; with no retraction it decays by ``(0.7 - 0.098) /
+   600`` to at least ``0.098`` (``new_token_ratio_tracker.py``, ``environ.py``
+   defaults 0.7, 0.14, 600). ``prepare_for_decode`` evicts until ``batch *
+   K`` tokens are free and takes a page for each request whose KV length is
+   a multiple of ``K``; each request samples one token; finished ones are
+   released with a checkpoint (``release_kv_cache(checkpoint=True)``).
+6. An iteration with no batch is idle: the ratio resets to 0.7
+   (``Scheduler.on_idle``), and the clock jumps to the next arrival.
+
+Choices of this model (not SGLang rules): a step is one loop iteration; a
+prompt of ``max_model_len`` tokens or more is rejected and outputs are cut
+at ``max_model_len - prompt``; a prefill allocation that does not fit
+raises (SGLang raises "Prefill out of memory" too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .sglang_radix import (
+  SglangRadixCache,
+  cdiv,
+  page_keys_for_tokens,
+)
+
+CLIP_MAX_NEW_TOKENS = 4096  # schedule_policy.py
+RETRACT_DECODE_STEPS = 20  # environ.py SGLANG_RETRACT_DECODE_STEPS
+INIT_NEW_TOKEN_RATIO = 0.7  # environ.py SGLANG_INIT_NEW_TOKEN_RATIO
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14  # SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
+NEW_TOKEN_RATIO_DECAY_STEPS = 600  # SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS
+WAITING_QUEUE_PREFIX_MATCH_MAX = 128  # schedule_policy.py
+WAITING_PREFIX_REFRESH_INTERVAL = 32  # schedule_policy.py
+IN_BATCH_CHECK = 32  # IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD
+IN_BATCH_DEPRIORITIZE = 32  # IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD
+POLICIES = ("fcfs", "lpm")
+
+
+class OutOfMemory(RuntimeError):
+  """A prefill allocation found too few free pages (SGLang raises too)."""
+
+
+@dataclasses.dataclass
+class _Req:
+  rid: int
+  prompt: list[int]
+  outputs: list[int]  # the tokens it will sample, in order
+  max_new: int
+  arrival_step: int
+  n_out: int = 0
+  prefix_len: int = 0
+  extend_end: int = 0
+  last_node: Any = None
+  lock: Any = None
+  row_pages: int = 0  # pages in its KV row
+  protected: int = 0  # of which the tree owns (cache_protected_len / K)
+  retractions: int = 0
+  hit_first: int | None = None
+  first_token_step: int | None = None
+  finish_step: int | None = None
+  num_matched: int = 0
+
+  def fill(self) -> list[int]:
+    return self.prompt + self.outputs[: self.n_out]
+
+  def committed(self) -> int:
+    """KV length (``kv_committed_len``) of a request past its prefill."""
+    return len(self.prompt) + self.n_out - 1
+
+
+class SglangScheduler:
+  """SGLang 0.5.23's normal scheduler loop over the paged RadixCache."""
+
+  def __init__(
+    self,
+    *,
+    num_pages: int,
+    page_size: int,
+    max_running_requests: int,
+    chunked_prefill_size: int | None,
+    max_prefill_tokens: int,
+    max_model_len: int,
+    policy: str = "fcfs",
+    waiting_prefix_refresh: bool = True,
+  ):
+    if policy not in POLICIES:
+      raise ValueError(f"policy {policy!r} not in {POLICIES}")
+    self.K = page_size
+    self.tree = SglangRadixCache(num_pages, page_size)
+    self.max_running = max_running_requests
+    self.chunk = chunked_prefill_size
+    self.max_prefill = max_prefill_tokens
+    self.max_model_len = max_model_len
+    self.policy = policy
+    self.refresh = waiting_prefix_refresh
+    self.ratio_init = min(INIT_NEW_TOKEN_RATIO, 1.0)
+    self.ratio_min = min(self.ratio_init * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
+    self.ratio_decay = (
+      self.ratio_init - self.ratio_min
+    ) / NEW_TOKEN_RATIO_DECAY_STEPS
+    self.ratio = self.ratio_init
+    self.waiting: list[_Req] = []
+    self.running: list[_Req] = []
+    self.last_prefill: list[_Req] = []
+    self.chunked: _Req | None = None
+    self.batch_is_full = False
+    self.calc_priority_calls = 0
+    self.refresh_calls = 0
+
+  # --------------------------------------------------------------- helpers
+  def _keys(self, tokens: Sequence[int]) -> list:
+    return page_keys_for_tokens(tokens, self.K)
+
+  def _available(self) -> int:
+    return self.tree.num_free_pages * self.K
+
+  def _evictable(self) -> int:
+    return self.tree.evictable_size()
+
+  def _match(self, req: _Req, *, capped: bool) -> tuple[int, Any]:
+    fill = req.fill()
+    n = len(fill) - 1 if capped else len(fill)
+    h, node = self.tree.match_prefix(self._keys(fill[:n]))
+    return h * self.K, node
+
+  def _checkpoint(self, req: _Req, up_to: int) -> None:
+    """``RadixCache.checkpoint(req, up_to)`` (``_insert_cache``)."""
+    keys = self._keys(req.fill()[:up_to])
+    n_pages = len(keys)
+    tree = self.tree
+    prefix, _, new = tree._insert(keys)
+    dup = prefix - req.protected
+    assert dup >= 0
+    tree._private -= dup + new
+    tree.num_free_pages += dup
+    prompt_pages = len(req.prompt) // self.K
+    if 0 < prompt_pages < n_pages:  # split_prompt
+      tree._insert(keys[:prompt_pages])
+    _, last = tree.match_prefix(keys)
+    tree.dec_lock_ref(req.lock)
+    tree.inc_lock_ref(last)
+    req.lock = last
+    req.protected = n_pages
+
+  def _free_row(self, req: _Req) -> None:
+    """``free_kv_row`` past ``cache_protected_len``, then unlock."""
+    private = req.row_pages - req.protected
+    self.tree._private -= private
+    self.tree.num_free_pages += private
+    self.tree.dec_lock_ref(req.lock)
+    req.lock = None
+    req.row_pages = req.protected = 0
+
+  def _release(self, req: _Req) -> None:
+    """``release_kv_cache(checkpoint=True)`` of a finished request."""
+    self._checkpoint(req, req.committed())
+    self._free_row(req)
+
+  def _take(self, req: _Req, pages: int) -> None:
+    if pages > self.tree.num_free_pages:
+      raise OutOfMemory(
+        f"request {req.rid} needs {pages} pages, "
+        f"{self.tree.num_free_pages} free"
+      )
+    self.tree.num_free_pages -= pages
+    self.tree._private += pages
+    req.row_pages += pages
+
+  # ------------------------------------------------------------ scheduling
+  def _calc_priority(self) -> None:
+    self.calc_priority_calls += 1
+    q = self.waiting
+    if self.policy == "lpm" and len(q) <= WAITING_QUEUE_PREFIX_MATCH_MAX:
+      deprioritized = set()
+      seen: list[list[int]] = []
+      for r in q:
+        prefix_len, node = self._match(r, capped=False)
+        r.prefix_len, r.last_node = prefix_len, node
+        r.num_matched = min(prefix_len, len(r.fill()) - 1)
+        if prefix_len <= IN_BATCH_CHECK:
+          fill = r.fill()
+          best = max((_lcp(fill, s) for s in seen), default=0)
+          if best >= IN_BATCH_DEPRIORITIZE:
+            deprioritized.add(r.rid)
+          else:
+            seen.append(fill)
+      q.sort(
+        key=lambda r: float("inf") if r.rid in deprioritized else -r.num_matched
+      )
+      return
+    # fcfs (and lpm over 128 waiting): queue order; _touch_waiting_prefixes
+    # counts its calls with a non-empty queue and refreshes every 32nd
+    if not self.refresh or not q:
+      return
+    self.refresh_calls += 1
+    if (self.refresh_calls - 1) % WAITING_PREFIX_REFRESH_INTERVAL == 0:
+      for r in reversed(q[:WAITING_QUEUE_PREFIX_MATCH_MAX]):
+        self._match(r, capped=False)  # touch_prefix: no lock, no record
+
+  def _rem_total(self, total_offset: float) -> float:
+    return self._available() + self._evictable() - total_offset
+
+  def _prefill(self, step: int) -> list[tuple[_Req, int]] | None:
+    if (self.batch_is_full or not self.waiting) and self.chunked is None:
+      return None
+    if self.max_running - len(self.running) <= 0 and self.chunked is None:
+      self.batch_is_full = True
+      return None
+    self._calc_priority()
+    K = self.K
+    total_offset = sum(
+      min(r.max_new - r.n_out, CLIP_MAX_NEW_TOKENS) * self.ratio
+      for r in self.running
+    )
+    current_offset = 0
+    rem_input = self.max_prefill
+    rem_chunk = self.chunk
+    batch: list[tuple[_Req, int]] = []  # (request, extend tokens)
+
+    def reserve(extend: int, max_new: int) -> None:
+      nonlocal total_offset, current_offset, rem_input, rem_chunk
+      ext = cdiv(extend, K) * K
+      total_offset += ext + K + max_new
+      current_offset += ext + K
+      rem_input -= ext
+      if rem_chunk is not None:
+        rem_chunk -= ext
+
+    def budget_state() -> str:
+      rt = self._rem_total(total_offset)
+      rc = self._available() + self._evictable() - current_offset
+      if not (rt > 0 and rc > 0):
+        return "no_token"
+      if rem_input <= 0 or (rem_chunk is not None and rem_chunk <= 0):
+        return "other"
+      return "continue"
+
+    if self.chunked is not None:  # add_chunked_req
+      req = self.chunked
+      avail = min(rem_chunk, int(self._rem_total(total_offset)))
+      rem = avail if avail > 0 else rem_chunk
+      cand = len(req.fill()) - req.prefix_len
+      truncated = cand > rem
+      new_len = min(cand, rem)
+      req.extend_end = req.prefix_len + new_len
+      batch.append((req, new_len))
+      reserve(
+        new_len,
+        0 if truncated else min(req.max_new, CLIP_MAX_NEW_TOKENS),
+      )
+      if not truncated:
+        self.chunked = None
+
+    admitted: list[_Req] = []
+    for req in list(self.waiting):
+      if budget_state() == "other":
+        break
+      if len(batch) >= self.max_running - len(self.running):
+        self.batch_is_full = True
+        break
+      prefix_len, node = self._match(req, capped=True)
+      req.prefix_len, req.last_node = prefix_len, node
+      fill_len = len(req.fill())
+      max_new = min(max(req.max_new - req.n_out, 0), CLIP_MAX_NEW_TOKENS)
+      extend = fill_len - prefix_len
+      total = extend + max_new + K
+      self.tree.inc_lock_ref(node)  # _lock_node for the check
+      ok = total < self._rem_total(total_offset)
+      self.tree.dec_lock_ref(node)
+      if not ok:
+        self.batch_is_full = bool(batch) or bool(self.running)
+        break
+      ext_tokens = cdiv(extend, K) * K
+      reserved_new = min(req.max_new, CLIP_MAX_NEW_TOKENS)
+      if rem_chunk is not None and ext_tokens > rem_chunk:
+        ext = rem_chunk // K * K
+        end = (prefix_len + ext) // K * K
+        ext = end - prefix_len
+        if ext <= 0:
+          break  # OTHER
+        if self.chunked is not None:  # SGLang asserts this cannot happen
+          raise AssertionError("a second chunked request")
+        extend, reserved_new = ext, 0
+        self.chunked = req
+      elif rem_chunk is None and batch and ext_tokens >= rem_input:
+        break  # OTHER: no chunking, the input cap (first one always goes)
+      req.lock = node
+      self.tree.inc_lock_ref(node)  # _commit_prefill_admission
+      req.row_pages = req.protected = prefix_len // K
+      req.extend_end = prefix_len + extend
+      if req.hit_first is None:
+        req.hit_first = prefix_len
+      batch.append((req, extend))
+      admitted.append(req)
+      reserve(extend, reserved_new)
+      state = budget_state()
+      if state != "continue":
+        if state == "no_token":
+          self.batch_is_full = bool(batch) or bool(self.running)
+        break
+    if not batch:
+      return None
+    ids = {id(r) for r in admitted}
+    self.waiting = [r for r in self.waiting if id(r) not in ids]
+    # prepare_for_extend: evict for the batch, then take pages
+    ext_sum = sum(e for _, e in batch)
+    demand = ext_sum + (len(batch) * K if K > 1 else 0)
+    self.tree._evict_for(demand)
+    for req, _ in batch:
+      self._take(req, cdiv(req.extend_end, K) - cdiv(req.prefix_len, K))
+    return batch
+
+  def _finish_prefill(self, batch, step: int) -> None:
+    for req, _ in batch:
+      if req is self.chunked:
+        continue
+      req.n_out += 1
+      if req.first_token_step is None:
+        req.first_token_step = step
+      if req.n_out >= req.max_new:
+        req.finish_step = step
+        self._release(req)
+      else:
+        self._checkpoint(req, req.extend_end)
+        req.prefix_len = req.extend_end
+
+  def _retract(self) -> list[_Req]:
+    K = self.K
+    order = list(range(len(self.running)))
+    order.sort(
+      key=lambda i: (
+        self.running[i].n_out,
+        -len(self.running[i].prompt),
+      ),
+      reverse=True,
+    )
+    retracted = []
+
+    def fits(idx) -> bool:
+      need = K * sum(1 for i in idx if self.running[i].committed() % K == 0)
+      self.tree._evict_for(need)
+      return self._available() >= need
+
+    first = True
+    while first or not fits(order):
+      if len(order) == 1:
+        break
+      first = False
+      req = self.running[order.pop()]
+      self._free_row(req)
+      self.tree._evict_for(len(order) * RETRACT_DECODE_STEPS)
+      req.prefix_len = 0
+      req.retractions += 1
+      retracted.append(req)
+    if len(order) <= 1 and not fits(order):
+      raise OutOfMemory("the last decoding request does not fit")
+    keep = set(order)
+    self.running = [r for i, r in enumerate(self.running) if i in keep]
+    outs = sum(r.n_out for r in self.running)
+    maxs = sum(r.max_new for r in self.running)
+    self.ratio = min(
+      1.0, (outs + RETRACT_DECODE_STEPS * len(self.running)) / (maxs + 1)
+    )
+    self.waiting.extend(retracted)
+    return retracted
+
+  def _decode(self, step: int) -> tuple[list[_Req], list[_Req]]:
+    K = self.K
+    need = K * sum(1 for r in self.running if r.committed() % K == 0)
+    self.tree._evict_for(need)
+    retracted = []
+    if self._available() < need:
+      retracted = self._retract()
+      self.batch_is_full = False
+    else:
+      self.ratio = max(self.ratio - self.ratio_decay, self.ratio_min)
+    self.tree._evict_for(len(self.running) * K)
+    for r in self.running:
+      if r.committed() % K == 0:
+        self._take(r, 1)
+    done = []
+    for r in self.running:
+      r.n_out += 1
+      if r.n_out >= r.max_new:
+        r.finish_step = step
+        self._release(r)
+        done.append(r)
+    return list(self.running), retracted
+
+  # ------------------------------------------------------------------ loop
+  def simulate(
+    self, records: Sequence[Mapping[str, Any]], arrival_steps: Sequence[int]
+  ) -> tuple[list[dict], list[dict]]:
+    """Run every record; return ``(steps, requests)``.
+
+    ``records`` have ``input_tok_ids``, ``output_toks`` and optionally
+    ``output_tok_ids`` (else :func:`fabricated` tokens); the step list has one
+    entry per executed step: ``step``, ``kind`` (``"prefill"`` or
+    ``"decode"``), ``sched`` (``[rid, tokens]`` in batch order),
+    ``retracted`` (rids) and ``finished`` (rids).
+    """
+    reqs = []
+    rejected = set()
+    for rid, rec in enumerate(records):
+      prompt = [int(t) for t in rec["input_tok_ids"]]
+      o = int(rec["output_toks"])
+      ids = rec.get("output_tok_ids")
+      outs = (
+        [int(t) for t in ids][:o]
+        if ids is not None
+        else [fabricated(rid, j) for j in range(o)]
+      )
+      if len(prompt) >= self.max_model_len:
+        rejected.add(rid)
+      o = min(o, self.max_model_len - len(prompt))
+      reqs.append(_Req(rid, prompt, outs, max(o, 1), int(arrival_steps[rid])))
+    pending = sorted(
+      (r for r in reqs if r.rid not in rejected),
+      key=lambda r: (r.arrival_step, r.rid),
+    )
+    steps: list[dict] = []
+    step, nxt = 0, 0
+    last_prefill: list[_Req] = []
+    while True:
+      while nxt < len(pending) and pending[nxt].arrival_step <= step:
+        self.waiting.append(pending[nxt])
+        nxt += 1
+      # get_next_batch_to_run: stash, merge, filter
+      if self.chunked is not None:
+        self._checkpoint_chunk(self.chunked)
+      left = False
+      for r in last_prefill:
+        if r is self.chunked or r.finish_step is not None:
+          left = True
+          continue
+        self.running.append(r)
+      n = len(self.running)
+      self.running = [r for r in self.running if r.finish_step is None]
+      if left or len(self.running) < n or not self.running:
+        self.batch_is_full = False
+      batch = self._prefill(step)
+      if batch is not None:
+        self._finish_prefill(batch, step)
+        last_prefill = [r for r, _ in batch]
+        steps.append(
+          dict(
+            step=step,
+            kind="prefill",
+            sched=[[r.rid, e] for r, e in batch],
+            retracted=[],
+            finished=[r.rid for r, _ in batch if r.finish_step == step],
+          )
+        )
+        step += 1
+        continue
+      last_prefill = []
+      if self.running:
+        ran, retracted = self._decode(step)
+        steps.append(
+          dict(
+            step=step,
+            kind="decode",
+            sched=[[r.rid, 1] for r in ran],
+            retracted=[r.rid for r in retracted],
+            finished=[r.rid for r in ran if r.finish_step == step],
+          )
+        )
+        step += 1
+        continue
+      # idle
+      self.ratio = self.ratio_init
+      if self.waiting:
+        raise RuntimeError(f"step {step}: nothing runs but requests wait")
+      if nxt >= len(pending):
+        break
+      step = max(step, pending[nxt].arrival_step)
+    out = []
+    for r in reqs:
+      out.append(
+        dict(
+          rid=r.rid,
+          prompt_len=len(r.prompt),
+          rejected=r.rid in rejected,
+          hit_tokens=r.hit_first or 0,
+          first_token_step=r.first_token_step,
+          finish_step=r.finish_step,
+          num_output_tokens=r.n_out,
+          retractions=r.retractions,
+        )
+      )
+    return steps, out
+
+  def _checkpoint_chunk(self, req: _Req) -> None:
+    """``stash_chunked_request``: publish the chunk, resume after it."""
+    if req.extend_end > req.prefix_len:
+      self._checkpoint(req, req.extend_end)
+      req.prefix_len = req.extend_end
+
+
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+  n = 0
+  for x, y in zip(a, b, strict=False):
+    if x != y:
+      break
+    n += 1
+  return n
+
+
+def fabricated(rid: int, pos: int) -> int:
+  """The oracle harness's output token when the trace has none."""
+  return (rid * 7919 + pos) % 32000 + 1

@@ -1,0 +1,244 @@
+"""The jitted SGLang serving simulator against the plain-Python scheduler.
+
+``prefixjax.serving.simulate`` with ``semantics="sglang"`` must make, step
+for step, the decisions of ``reference_models.sglang_scheduler.
+SglangScheduler`` (SGLang 0.5.23's normal scheduler loop, written from its
+source): every step's kind (prefill or decode) and its ``[rid, tokens]``
+batch in order, then each request's hit, first-token step, finish step and
+retractions. Traces are drawn fresh per case with a small vocabulary so
+prefixes (and output pages) are shared; the pool sizes put some cases under
+retraction pressure, and one case checks that they retract.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from reference_models.sglang_scheduler import SglangScheduler
+
+import prefixjax as pj
+from prefixjax import serving
+from prefixjax.replay.sglang import hits_and_free
+from prefixjax.serving import ServingConfig
+from prefixjax.serving.roofline import StepsClock
+
+
+def _records(rng, n, *, prompt=(4, 40), output=(1, 50), vocab=9, groups=4):
+  """Requests sharing one of a few prefixes, outputs from a small vocab."""
+  bases = [
+    rng.integers(1, vocab, int(rng.integers(*prompt))).tolist()
+    for _ in range(groups)
+  ]
+  out = []
+  for _ in range(n):
+    b = bases[int(rng.integers(groups))]
+    p = b[: int(rng.integers(1, len(b) + 1))]
+    p = p + rng.integers(1, vocab, int(rng.integers(1, 12))).tolist()
+    o = int(rng.integers(*output))
+    out.append(
+      dict(
+        input_tok_ids=p,
+        output_toks=o,
+        output_tok_ids=rng.integers(1, vocab, o).tolist(),
+      )
+    )
+  return out
+
+
+def _config(pages, K, S, chunk, max_prefill, mml, policy, **kw):
+  return ServingConfig(
+    num_gpu_blocks=pages + 1,
+    block_size=K,
+    max_num_seqs=S,
+    max_num_batched_tokens=chunk or 4 * mml,
+    chunked_prefill=bool(chunk),
+    max_model_len=mml,
+    scheduler=policy,
+    semantics="sglang",
+    max_prefill_tokens=max_prefill,
+    **kw,
+  )
+
+
+def _model(cfg: ServingConfig, records, arrival):
+  m = SglangScheduler(
+    num_pages=cfg.num_gpu_blocks - 1,
+    page_size=cfg.block_size,
+    max_running_requests=cfg.max_num_seqs,
+    chunked_prefill_size=(
+      cfg.max_num_batched_tokens if cfg.chunked_prefill else None
+    ),
+    max_prefill_tokens=cfg.max_prefill_tokens,
+    max_model_len=cfg.max_model_len,
+    policy=cfg.scheduler,
+    waiting_prefix_refresh=cfg.waiting_prefix_refresh,
+  )
+  return m.simulate(records, arrival)
+
+
+def _run(cfg, records, arrival):
+  for rec, a in zip(records, arrival, strict=True):
+    rec["arrival_time_ns"] = int(a) * 1_000_000
+  return serving.simulate(records, cfg, arrivals="trace", step_time_ms=1.0)
+
+
+def _assert_same(cfg, records, arrival):
+  """Returns the model's total retractions."""
+  steps, reqs = _model(cfg, records, arrival)
+  res = _run(cfg, records, arrival)
+  assert res.ok, res.status
+  sched = res.scheduled()
+  t = res.trace
+  got = [
+    (
+      int(t.step[i]),
+      "prefill" if t.prefill_tokens[i] > 0 else "decode",
+      [tuple(x) for x in sched[i]],
+    )
+    for i in range(res.num_steps)
+  ]
+  want = [(s["step"], s["kind"], [tuple(x) for x in s["sched"]]) for s in steps]
+  for i, (w, g) in enumerate(zip(want, got, strict=False)):
+    assert w == g, f"step row {i}: model {w}, simulator {g}"
+  assert len(want) == len(got)
+  for r in reqs:
+    rid = r["rid"]
+    assert bool(res.rejected[rid]) == r["rejected"], rid
+    if r["rejected"]:
+      continue
+    assert (
+      int(res.hit_first_sched[rid]),
+      int(res.first_token_step[rid]),
+      int(res.finish_step[rid]),
+      int(res.num_preemptions[rid]),
+      int(res.num_output_tokens[rid]),
+    ) == (
+      r["hit_tokens"],
+      r["first_token_step"],
+      r["finish_step"],
+      r["retractions"],
+      r["num_output_tokens"],
+    ), r
+  retracted = [x for s in steps for x in s["retracted"]]
+  got_ret = [int(x) for x in t.preempted[: res.num_steps].ravel() if x >= 0]
+  assert got_ret == retracted
+  return sum(r["retractions"] for r in reqs)
+
+
+CASES = [
+  # pages, K, S, chunk, max_prefill, max_model_len, policy, together
+  (21, 4, 8, 32, 64, 76, "fcfs", True),
+  (30, 4, 16, 0, 128, 100, "fcfs", False),
+  (40, 2, 6, 16, 64, 70, "lpm", True),
+  (80, 1, 8, 24, 48, 70, "lpm", False),
+  (200, 4, 16, 32, 64, 76, "fcfs", False),
+  (22, 4, 16, 32, 128, 80, "lpm", True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_step_exact_against_python_model(rng, case):
+  pages, K, S, chunk, maxp, mml, policy, together = case
+  cfg = _config(pages, K, S, chunk, maxp, mml, policy)
+  records = _records(rng, 40)
+  n = len(records)
+  arrival = (
+    np.zeros(n, np.int64) if together else np.sort(rng.integers(0, 80, n))
+  )
+  _assert_same(cfg, records, arrival)
+
+
+def test_retraction_pressure(rng):
+  """Long outputs in a small pool: SGLang retracts (new_token_ratio's
+  reservation runs short), and the simulator retracts the same requests."""
+  cfg = _config(48, 4, 16, 16, 64, 100, "fcfs")
+  records = _records(rng, 40, prompt=(4, 16), output=(40, 90), groups=8)
+  total = _assert_same(cfg, records, np.zeros(40, np.int64))
+  assert total > 0, "no retraction: the case lost its pressure"
+
+
+def test_lpm_over_128_waiting_falls_back_to_fcfs(rng):
+  """More than 128 waiting: ``lpm`` orders FCFS (and refreshes prefixes);
+  as the queue drains below 129 it sorts again."""
+  cfg = _config(60, 4, 8, 32, 64, 60, "lpm")
+  records = _records(rng, 150, prompt=(4, 24), output=(1, 6))
+  _assert_same(cfg, records, np.zeros(150, np.int64))
+
+
+def test_one_at_a_time_equals_the_sglang_replay(rng):
+  """``max_num_seqs=1`` without chunking serves requests one at a time, as
+  the SGLang replay does (its hits equal SGLang 0.5.23's own RadixCache,
+  ``tests/test_reference_models.py``): the same hit per request."""
+  trace = pj.generate_workload(
+    "multi_turn",
+    num_requests=30,
+    seed=int(rng.integers(2**31)),
+    system_prompt_len=24,
+    question_len=(2, 24),
+    output_len=(1, 16),
+    vocab_size=64,
+  )
+  K = int(rng.choice([2, 4]))
+  longest = int(np.max(trace.input_lengths + trace.output_lengths))
+  pages = longest // K + 8  # the longest fits; the rest evicts
+  cfg = _config(
+    pages, K, 1, 0, 16384, longest + 1, "fcfs", waiting_prefix_refresh=False
+  )
+  res = serving.simulate(trace, cfg)
+  assert res.ok and not res.rejected.any()
+  hits, _ = hits_and_free(trace, K, [pages], waiting_refresh_interval=None)
+  np.testing.assert_array_equal(res.hit_first_sched, np.asarray(hits)[0])
+
+
+def test_timed_clock_keeps_the_decisions(rng):
+  """A constant-time clock object gives the steps clock's batches; the
+  roofline clock gives positive times and the same hits."""
+  cfg = _config(30, 4, 8, 32, 64, 76, "fcfs")
+  records = _records(rng, 30)
+  steps = serving.simulate(records, cfg)
+  timed = serving.simulate(records, cfg, clock=StepsClock(0.02))
+  assert steps.scheduled() == timed.scheduled()
+  roof = serving.simulate(records, cfg, clock="roofline")
+  m = roof.metrics()
+  assert m["ttft_s_p50"] > 0 and m["throughput_tokens_per_s"] > 0
+  np.testing.assert_array_equal(roof.hit_first_sched, steps.hit_first_sched)
+
+
+def test_metrics_read_the_sglang_run(rng):
+  cfg = _config(30, 4, 8, 32, 64, 76, "lpm")
+  records = _records(rng, 30)
+  res = serving.simulate(records, cfg)
+  m = res.metrics()
+  hits = res.hit_first_sched[~res.rejected]
+  assert m["hit_tokens"] == int(hits.sum())
+  assert m["finished"] == int((~res.rejected).sum())
+  assert 0 < m["peak_blocks_in_use"] <= 30
+  assert m["output_tokens"] == int(res.num_output_tokens.sum())
+  done = [r for r in res.requests() if r["status"] == "finished"]
+  assert [r["num_cached_tokens"] for r in done] == hits.tolist()
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "needle"),
+  [
+    (dict(scheduler="dfs"), "models SGLang's schedule policies"),
+    (dict(num_gpu_blocks=20), r"max_model_len \+ block_size"),
+    (dict(max_num_batched_tokens=2), ">= block_size=4"),
+    (dict(parallel_sampling="fork"), "needs semantics='vllm'"),
+    (dict(long_prefill_token_threshold=8), "vLLM knob"),
+    (dict(semantics="vllm", max_prefill_tokens=100), "sglang-semantics"),
+    (dict(semantics="tgi"), "must be one of"),
+  ],
+)
+def test_bad_sglang_configs_are_refused(kwargs, needle):
+  base = dict(
+    num_gpu_blocks=41,
+    block_size=4,
+    max_num_seqs=8,
+    max_num_batched_tokens=32,
+    max_model_len=76,
+    semantics="sglang",
+  )
+  base.update(kwargs)
+  with pytest.raises(ValueError, match=needle):
+    ServingConfig(**base)
