@@ -72,10 +72,16 @@ def _ids(rng, n):
 def test_a_generation_saved_midway_finishes_the_same_in_a_new_process(
   rng, tmp_path
 ):
+  # Every batch here pads to 4 requests (the engine pads its request axis
+  # to a power of two), so each process compiles the scheduler's programs
+  # for one request count: those compiles are most of this test's time.
   system = _ids(rng, rng.integers(20, 50))
-  warm = [system + _ids(rng, 5)]
+  warm = [system + _ids(rng, 5) for _ in range(int(rng.integers(3, 5)))]
   batch = [system + _ids(rng, rng.integers(1, 40)) for _ in range(4)]
-  later = [system + _ids(rng, rng.integers(1, 20)) for _ in range(2)]
+  later = [
+    system + _ids(rng, rng.integers(1, 20))
+    for _ in range(int(rng.integers(3, 5)))
+  ]
   mnt = int(rng.integers(10, 30))
   eng = Engine(MODEL, CFG)
   eng.generate(warm, 3)
