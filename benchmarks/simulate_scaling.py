@@ -12,8 +12,11 @@ requests/s at 16 sequences, Vidur 240-290 (issue 14's measurements).
 configurations (200 requests, 16 sequences, per-configuration budgets and
 Poisson rates) vmapped in one program, against one configuration.
 
+``--semantics sglang``: SGLang 0.5.23's loop instead (4096 pages,
+``max_num_seqs`` as ``--max-running-requests``, chunked prefill 2048).
+
 Usage: ``python benchmarks/simulate_scaling.py [--requests 2000]
-[--seqs 16 64] [--batch 1 16] [--json OUT]``.
+[--seqs 16 64] [--semantics vllm|sglang] [--batch 1 16] [--json OUT]``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--requests", type=int, nargs="+", default=[1000, 2000])
   p.add_argument("--seqs", type=int, nargs="+", default=[16, 64])
+  p.add_argument("--semantics", default="vllm", choices=("vllm", "sglang"))
   p.add_argument("--batch", type=int, nargs="+", metavar="B")
   p.add_argument("--json", metavar="OUT")
   args = p.parse_args()
@@ -43,7 +47,8 @@ def main() -> None:
   rows = []
   print(
     f"jax {jax.__version__} on {jax.default_backend()} "
-    f"({platform.processor() or platform.machine()})"
+    f"({platform.processor() or platform.machine()}), {args.semantics} "
+    "semantics"
   )
   print(
     f"{'requests':>9} {'seqs':>5} {'steps':>7} {'compile+run s':>14} "
@@ -58,6 +63,7 @@ def main() -> None:
         max_num_seqs=seqs,
         max_num_batched_tokens=2048,
         max_model_len=4096,
+        semantics=args.semantics,
       )
       t0 = time.perf_counter()
       first = serving.simulate(trace, config)
@@ -66,6 +72,7 @@ def main() -> None:
       t2 = time.perf_counter()
       assert first.ok and again.ok and again.num_steps == first.num_steps
       row = dict(
+        semantics=args.semantics,
         requests=n,
         seqs=seqs,
         steps=again.num_steps,

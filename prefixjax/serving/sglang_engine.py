@@ -184,10 +184,19 @@ def prepare(
 
 # ----------------------------------------------------------------- the tree
 class Tree(NamedTuple):
+  """The radix tree and the page pool. Node fields live at a node's first
+  page: ``ts`` last access, ``lock`` lock count, ``nend`` the depth its
+  pages end at (exclusive), ``rep`` a request whose path holds all its
+  pages, ``kids`` its child nodes."""
+
   cached: jax.Array  # [V] bool
-  nstart: jax.Array  # [V] int32
-  ts: jax.Array  # [V] int32 (at node starts)
-  lock: jax.Array  # [V] int32 (at node starts)
+  nstart: jax.Array  # [V] int32 first page of the node holding each page
+  ts: jax.Array  # [V] int32
+  lock: jax.Array  # [V] int32
+  nend: jax.Array  # [V] int32
+  rep: jax.Array  # [V] int32
+  kids: jax.Array  # [V] int32
+  evictable: jax.Array  # pages in unlocked nodes
   clock: jax.Array
   free: jax.Array  # free pages
   private: jax.Array  # pages held by requests only
@@ -202,6 +211,11 @@ def _path(c: Consts, r):
   return p, jnp.maximum(p, 0)
 
 
+def _put(a, idx, v, ok):
+  """``a[idx] = v`` where ``ok`` (a masked scatter, no select over ``a``)."""
+  return a.at[jnp.where(ok, idx, a.shape[0])].set(v, mode="drop")
+
+
 def _leading(t: Tree, c: Consts, r, n):
   """Pages of ``r``'s path among its first ``n`` that the tree holds."""
   p, pv = _path(c, r)
@@ -210,76 +224,106 @@ def _leading(t: Tree, c: Consts, r, n):
   return _i32(jnp.argmin(jnp.concatenate([ok, jnp.zeros((1,), bool)])))
 
 
-def _walk(t: Tree, c: Consts, r, n):
-  """``_match_prefix_helper`` over ``r``'s first ``n`` pages: (pages, tree)."""
-  h = _leading(t, c, r, n)
+def _walk(t: Tree, c: Consts, r, n, do=True):
+  """``_match_prefix_helper`` over ``r``'s first ``n`` pages (when ``do``):
+  every node walked gets a new time; a node the walk ends inside is split,
+  its upper part a new node with a later time. Returns (pages, tree)."""
+  do = jnp.asarray(do)
+  h = jnp.where(do, _leading(t, c, r, n), 0)
   p, pv = _path(c, r)
   V = t.cached.shape[0]
-  j = jnp.arange(p.shape[0])
+  M = p.shape[0]
+  j = jnp.arange(M)
   now = t.clock + 1
-  start = (j < h) & (t.nstart[pv] == pv)
+  start = do & (j < h) & (t.nstart[pv] == pv)
   ts = t.ts.at[jnp.where(start, pv, V)].set(now, mode="drop")
   x = jnp.where(h > 0, t.nstart[pv[jnp.maximum(h - 1, 0)]], 0)
-  in_x = t.cached & (t.nstart == x) & (c.depth >= h)
-  split = (h > 0) & jnp.any(in_x)
-  low = _i32(jnp.argmax(in_x & (c.depth == h)))
-  clock = now + split.astype(jnp.int32)
-  nstart = jnp.where(split & in_x, low, t.nstart)
-  ts = jnp.where(split, ts.at[x].set(clock).at[low].set(now), ts)
-  lock = jnp.where(split, t.lock.at[low].set(t.lock[x]), t.lock)
-  return h, t._replace(ts=ts, nstart=nstart, lock=lock, clock=clock)
+  split = do & (h > 0) & (t.nend[x] > h)
+  row = c.pages[t.rep[x]]
+  low = row[jnp.minimum(h, M - 1)]
+  lower = split & (j >= h) & (j < t.nend[x])
+  nstart = t.nstart.at[jnp.where(lower, jnp.maximum(row, 0), V)].set(
+    low, mode="drop"
+  )
+  clock = now - 1 + do.astype(jnp.int32) + split.astype(jnp.int32)
+  ts = _put(_put(ts, x, clock, split), low, now, split)
+  t = t._replace(
+    nstart=nstart,
+    ts=ts,
+    lock=_put(t.lock, low, t.lock[x], split),
+    nend=_put(_put(t.nend, low, t.nend[x], split), x, h, split),
+    rep=_put(t.rep, low, t.rep[x], split),
+    kids=_put(_put(t.kids, low, t.kids[x], split), x, 1, split),
+    clock=clock,
+  )
+  return h, t
 
 
-def _insert(t: Tree, c: Consts, r, n):
-  """``_insert_helper``: (pages already there, tree); the rest a new leaf."""
-  h, t = _walk(t, c, r, n)
+def _insert(t: Tree, c: Consts, r, n, do=True):
+  """``_insert_helper`` (when ``do``): (pages already there, tree); the rest
+  of ``r``'s first ``n`` pages become one new, unlocked leaf."""
+  do = jnp.asarray(do)
+  h, t = _walk(t, c, r, n, do)
   p, pv = _path(c, r)
   V = t.cached.shape[0]
   j = jnp.arange(p.shape[0])
-  new = (j >= h) & (j < n)
-  grow = h < n
+  grow = do & (h < n)
+  new = grow & (j >= h) & (j < n)
   first = pv[jnp.minimum(h, p.shape[0] - 1)]
+  parent = jnp.where(h > 0, t.nstart[pv[jnp.maximum(h - 1, 0)]], 0)
   clock = t.clock + grow.astype(jnp.int32)
   idx = jnp.where(new, pv, V)
-  cached = t.cached.at[idx].set(True, mode="drop")
-  nstart = t.nstart.at[idx].set(first, mode="drop")
-  ts = jnp.where(grow, t.ts.at[first].set(clock), t.ts)
-  lock = jnp.where(grow, t.lock.at[first].set(0), t.lock)
-  return h, t._replace(
-    cached=cached, nstart=nstart, ts=ts, lock=lock, clock=clock
+  size = jnp.where(grow, n - h, 0)
+  t = t._replace(
+    cached=t.cached.at[idx].set(True, mode="drop"),
+    nstart=t.nstart.at[idx].set(first, mode="drop"),
+    ts=_put(t.ts, first, clock, grow),
+    lock=_put(t.lock, first, 0, grow),
+    nend=_put(t.nend, first, n, grow),
+    rep=_put(t.rep, first, r, grow),
+    kids=_put(_put(t.kids, first, 0, grow), parent, t.kids[parent] + 1, grow),
+    evictable=t.evictable + size,
+    clock=clock,
   )
+  return jnp.where(do, h, 0), t
 
 
 def _lock(t: Tree, c: Consts, r, n, delta):
+  """Adds ``delta`` to the lock count of every node on ``r``'s first ``n``
+  pages (SGLang's ``inc_lock_ref`` / ``dec_lock_ref`` of its last node)."""
   p, pv = _path(c, r)
   V = t.cached.shape[0]
   j = jnp.arange(p.shape[0])
   start = (j < n) & (t.nstart[pv] == pv)
+  before = t.lock[pv]
+  size = t.nend[pv] - c.depth[pv]
+  flip = start & (before == (0 if delta > 0 else 1))
+  moved = jnp.sum(jnp.where(flip, size, 0), dtype=jnp.int32)
   return t._replace(
-    lock=t.lock.at[jnp.where(start, pv, V)].add(delta, mode="drop")
+    lock=t.lock.at[jnp.where(start, pv, V)].add(delta, mode="drop"),
+    evictable=t.evictable - moved if delta > 0 else t.evictable + moved,
   )
+
+
+def _locked_path_evictable(t: Tree, c: Consts, r, n):
+  """Evictable pages if ``r``'s first ``n`` pages were locked too."""
+  p, pv = _path(c, r)
+  j = jnp.arange(p.shape[0])
+  start = (j < n) & (t.nstart[pv] == pv) & (t.lock[pv] == 0)
+  size = t.nend[pv] - c.depth[pv]
+  return t.evictable - jnp.sum(jnp.where(start, size, 0), dtype=jnp.int32)
 
 
 def _evictable(t: Tree, K):
-  v = jnp.arange(t.cached.shape[0])
-  ok = t.cached & (v != 0) & (t.lock[t.nstart] == 0)
-  return K * jnp.sum(ok, dtype=jnp.int32)
-
-
-def _candidates(t: Tree, c: Consts):
-  V = t.cached.shape[0]
-  v = jnp.arange(V)
-  start = t.cached & (t.nstart == v) & (v != 0)
-  kids = (
-    jnp.zeros((V,), jnp.int32)
-    .at[jnp.where(start, t.nstart[c.parent], V)]
-    .add(1, mode="drop")
-  )
-  return start & (kids == 0) & (t.lock == 0)
+  return K * t.evictable
 
 
 def _evict(t: Tree, c: Consts, K, need):
   """``RadixCache.evict``: whole LRU unlocked leaves until ``need`` tokens."""
+  V = t.cached.shape[0]
+  v = jnp.arange(V)
+  M = c.pages.shape[1]
+  j = jnp.arange(M)
 
   def cond(s):
     t, ev, more = s
@@ -287,12 +331,22 @@ def _evict(t: Tree, c: Consts, K, need):
 
   def body(s):
     t, ev, _ = s
-    cand = _candidates(t, c)
-    x = jnp.argmin(jnp.where(cand, t.ts, _BIG))
-    m = t.cached & (t.nstart == x) & jnp.any(cand)
-    cnt = jnp.sum(m, dtype=jnp.int32)
-    t = t._replace(cached=t.cached & ~m, free=t.free + cnt)
-    return t, ev + cnt, cnt > 0
+    cand = t.cached & (t.nstart == v) & (v != 0) & (t.kids == 0) & (t.lock == 0)
+    x = _i32(jnp.argmin(jnp.where(cand, t.ts, _BIG)))
+    ok = cand[x]
+    row = c.pages[t.rep[x]]
+    mine = ok & (j >= c.depth[x]) & (j < t.nend[x])
+    cnt = jnp.where(ok, t.nend[x] - c.depth[x], 0)
+    parent = t.nstart[c.parent[x]]
+    t = t._replace(
+      cached=t.cached.at[jnp.where(mine, jnp.maximum(row, 0), V)].set(
+        False, mode="drop"
+      ),
+      kids=_put(t.kids, parent, t.kids[parent] - 1, ok),
+      evictable=t.evictable - cnt,
+      free=t.free + cnt,
+    )
+    return t, ev + cnt, ok
 
   t, _, _ = jax.lax.while_loop(cond, body, (t, _i32(0), jnp.bool_(True)))
   return t
@@ -362,9 +416,7 @@ def _checkpoint(t: Tree, q: Reqs, c: Consts, K, r, up_to):
   dup = h - q.prot[r]
   t = t._replace(private=t.private - dup - (n - h), free=t.free + dup)
   pp = c.prompt[r] // K
-  t = jax.lax.cond(
-    (pp > 0) & (pp < n), lambda t: _insert(t, c, r, pp)[1], lambda t: t, t
-  )
+  _, t = _insert(t, c, r, pp, (pp > 0) & (pp < n))
   _, t = _walk(t, c, r, n)
   t = _lock(t, c, r, q.lock_len[r], -1)
   t = _lock(t, c, r, n, 1)
@@ -468,9 +520,7 @@ def _calc_priority(s: State, c: Consts, cfg: Config) -> State:
       def body(i, t):
         k = cnt - 1 - i
         r = order[jnp.maximum(k, 0)]
-        return jax.lax.cond(
-          k >= 0, lambda t: _walk(t, c, r, fill[r] // K)[1], lambda t: t, t
-        )
+        return _walk(t, c, r, fill[r] // K, k >= 0)[1]
 
       t = jax.lax.fori_loop(0, W, body, t)
       return s._replace(tree=t)
@@ -603,8 +653,7 @@ def _prefill(s: State, c: Consts, cfg: Config):
         max_new = jnp.clip(c.max_new[r] - q.n_out[r], 0, CLIP_MAX_NEW_TOKENS)
         extend = fill - plen
         total = extend + max_new + K
-        tl = _lock(t, c, r, h, 1)
-        ae = t.free * K + _evictable(tl, K)
+        ae = t.free * K + K * _locked_path_evictable(t, c, r, h)
         ok = total.astype(jnp.float32) + b["total_off"] < ae.astype(jnp.float32)
         ext_tok = -(-extend // K) * K
         reserved_new = jnp.minimum(c.max_new[r], CLIP_MAX_NEW_TOKENS)
@@ -950,12 +999,17 @@ def _fresh_cur(S: int) -> dict:
   return dict(
     sched_rid=m1, sched_n=z, sched_kind=z, ctx=z, preempted=m1, finished=m1,
     num_preempted=_i32(0), num_finished=_i32(0), free_sched=_i32(0),
-    frag=_i32(0),
+    frag=_i32(0), rec=_empty_rec(S),
   )  # fmt: skip
 
 
 def _step(s: State, c: Consts, cfg: Config, clock) -> State:
+  """One loop iteration. The step buffers stay out of every ``cond`` (a
+  branch would copy them): the branches leave the step's record in
+  ``cur["rec"]`` and it is written once, here."""
   timed = clock is not None
+  out = s.out
+  s = s._replace(out=None)
   s = _arrive(s, c, timed)
   s = _merge(s, c, cfg)
   S = s.cur["sched_rid"].shape[0]
@@ -978,6 +1032,7 @@ def _step(s: State, c: Consts, cfg: Config, clock) -> State:
 
     def idle(s):
       q = s.q
+      s = s._replace(cur=dict(s.cur, rec=_empty_rec(S)))
       stuck = jnp.any(q.waiting)
       left = ~q.arrived & (c.arrival < _BIG)
       done = stuck | ~jnp.any(left)
@@ -1005,13 +1060,29 @@ def _step(s: State, c: Consts, cfg: Config, clock) -> State:
 
     return jax.lax.cond(nrun > 0, decode_step, idle, s)
 
+  row = s.row
   s = jax.lax.cond(nb > 0, prefill_step, other, s)
-  T = s.out["step"].shape[0]
+  rec = s.cur["rec"]
+  T = out["step"].shape[0]
+  at = jnp.where(s.row > row, row, T)  # idle: nothing written
+  out = {
+    k: out[k].at[at].set(v.astype(out[k].dtype), mode="drop")
+    for k, v in rec.items()
+  }
   over = s.row >= T
   return s._replace(
+    out=out,
     status=s.status | jnp.where(over & ~s.done, Status.STEP_ROWS, 0),
     done=s.done | over,
   )
+
+
+def _empty_rec(S: int) -> dict:
+  rec = {}
+  for k in RECORD_FIELDS:
+    dtype = jnp.float32 if k in ("time_frac", "dt_s") else jnp.int32
+    rec[k] = jnp.zeros((S,) if k in _LANES else (), dtype)
+  return rec
 
 
 def _close(s: State, c: Consts, cfg: Config, clock, prefill: bool) -> State:
@@ -1047,11 +1118,10 @@ def _close(s: State, c: Consts, cfg: Config, clock, prefill: bool) -> State:
     time_frac=s.time_frac,
     dt_s=dt_s,
   )
-  out = {
-    k: s.out[k].at[s.row].set(v.astype(s.out[k].dtype), mode="drop")
-    for k, v in rec.items()
+  rec = {
+    k: jnp.asarray(v).astype(_empty_rec(1)[k].dtype) for k, v in rec.items()
   }
-  s = s._replace(out=out, row=s.row + 1, step=s.step + 1)
+  s = s._replace(cur=dict(cur, rec=rec), row=s.row + 1, step=s.step + 1)
   if clock is not None:
     frac = s.time_frac + dt_s * 1e3
     carry = jnp.floor(frac)
@@ -1082,6 +1152,10 @@ def init(c: Consts, cfg: Config) -> State:
     nstart=jnp.zeros((V,), jnp.int32),
     ts=jnp.zeros((V,), jnp.int32),
     lock=jnp.zeros((V,), jnp.int32).at[0].set(1),
+    nend=jnp.zeros((V,), jnp.int32),
+    rep=jnp.zeros((V,), jnp.int32),
+    kids=jnp.zeros((V,), jnp.int32),
+    evictable=_i32(0),
     clock=_i32(0),
     free=_i32(cfg.num_pages),
     private=_i32(0),

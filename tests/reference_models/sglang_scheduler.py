@@ -91,6 +91,19 @@ if possible"). Step ``s``:
 6. An iteration with no batch is idle: the ratio resets to 0.7
    (``Scheduler.on_idle``), and the clock jumps to the next arrival.
 
+Checked against the real code (2026-12-02, scratch environment of
+``../shared/oracle``): with ``max_running_requests=1``, no chunking and the
+refresh off, the hits per request equal those of
+``harness_sglang_sched.py --sglang-driver scheduler`` (SGLang 0.5.23's own
+``RadixCache``, paged allocator, ``alloc_paged_token_slots_extend`` /
+``_decode``, ``checkpoint`` and ``release_kv_cache`` in its scheduler's
+order) on 300 generated requests with heavy eviction at page sizes 1, 4
+and 16 (80,650 / 94,664 / 80,208 hit tokens, 0 requests differ). The
+concurrent rules (the PrefillAdder's budgets, ``batch_is_full``,
+retraction, ``new_token_ratio``, ``lpm``) are read from the source only:
+the oracle cannot drive SGLang's ``Scheduler`` itself (it needs a model
+runner).
+
 Choices of this model (not SGLang rules): a step is one loop iteration; a
 prompt of ``max_model_len`` tokens or more is rejected and outputs are cut
 at ``max_model_len - prompt``; a prefill allocation that does not fit
