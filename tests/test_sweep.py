@@ -100,6 +100,40 @@ def test_policies_a_semantics_does_not_serve_are_left_out():
   )
 
 
+def test_schedulers_sglang_does_not_model_are_left_out():
+  spec = parse_spec(
+    {
+      "simulate": {
+        "semantics": ["vllm", "sglang"],
+        "scheduler": ["fcfs", "dfs", "lpm"],
+        "num_blocks": 64,
+        "max_model_len": 512,
+      }
+    }
+  )
+  pairs = [(p.get("semantics"), p.get("scheduler")) for p in spec.points]
+  assert pairs == [
+    ("vllm", "fcfs"),
+    ("vllm", "dfs"),
+    ("vllm", "lpm"),
+    ("sglang", "fcfs"),
+    ("sglang", "lpm"),
+  ]
+  assert spec.left_out == (("sglang", "dfs", 1),)
+  with pytest.raises(SpecError, match="routed replicas run vLLM semantics"):
+    parse_spec(
+      {
+        "simulate": {
+          "semantics": "sglang",
+          "router": "round_robin",
+          "replicas": 2,
+          "num_blocks": 64,
+          "max_model_len": 512,
+        }
+      }
+    )
+
+
 _BAD = [
   ("[replay]\ncapacity = 0\n", "replay.capacity", ">= 1"),
   ("[replay]\ncapacity = [8, 8]\n", "replay.capacity", "twice"),
@@ -292,6 +326,47 @@ def test_rows_equal_each_point_run_alone(rng, tmp_path):
   )
   frame = result.frame()
   assert list(frame["hit_tokens"]) == [r["hit_tokens"] for r in result.rows]
+
+
+def test_sglang_points_equal_simulate_alone(rng, tmp_path):
+  """A sweep's sglang-semantics rows are simulate()'s of each point."""
+  blocks = int(rng.integers(130, 400))
+  path = _write(
+    tmp_path,
+    f"""
+[workloads.w]
+generator = "system_prompt"
+requests = {int(rng.integers(20, 40))}
+seed = {int(rng.integers(0, 1000))}
+params = {{ num_prompts = 3, prompt_len = [64, 256] }}
+
+[simulate]
+semantics = "sglang"
+scheduler = ["fcfs", "lpm"]
+block_size = 8
+num_blocks = {blocks}
+max_num_seqs = 4
+max_num_batched_tokens = 256
+max_model_len = 1024
+""",
+  )
+  spec = load_spec(path)
+  result = run_sweep(spec, tmp_path / "out", plots=False)
+  trace = spec.workloads["w"].load()
+  assert [r["scheduler"] for r in result.rows] == ["fcfs", "lpm"]
+  for row in result.rows:
+    config = ServingConfig(
+      num_gpu_blocks=blocks + 1,
+      block_size=8,
+      max_num_seqs=4,
+      max_num_batched_tokens=256,
+      max_model_len=1024,
+      scheduler=row["scheduler"],
+      semantics="sglang",
+    )
+    alone = simulate(trace, config).metrics()
+    for key in ("steps", "hit_tokens", "preemptions", "ttft_steps_p99"):
+      assert row[key] == pytest.approx(alone[key]), key
 
 
 def test_a_changed_spec_is_refused_and_the_same_one_reused(rng, tmp_path):

@@ -6,9 +6,10 @@
 * ``block_size_<workload>_<semantics>_<T>tokens``: hit rate and internal
   fragmentation against block size at a cache of ``T`` tokens (capacity
   times block size), for every replay slice with two or more block sizes;
-* ``schedulers_<workload>``: TTFT p99 and throughput per scheduler (means
-  over the other fields, min-max bars), for simulate rows with two or more
-  schedulers; one series per value of the first field that varies among
+* ``schedulers_<workload>`` (``..._<semantics>`` when a sweep simulates
+  both vllm and sglang semantics): TTFT p99 and throughput per scheduler
+  (means over the other fields, min-max bars), for simulate rows with two
+  or more schedulers; one series per value of the first field that varies among
   ``rate``, ``num_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``;
 * ``routers_<workload>``: hit rate against load imbalance per router and
   route mode (exact filled, approximate hollow), for routed simulate rows
@@ -111,15 +112,21 @@ def sweep_plots(
       trace=_trace_label(spec, w),
       also=("pdf",),
     )
-  for (w,), part in _slices(simulated, ("workload",)).items():
+  sems = {r.get("semantics", "vllm") for r in simulated}
+  for (w, sem), part in _slices(simulated, ("workload", "semantics")).items():
     if len({r["scheduler"] for r in part}) < 2:
       continue
     series = next((k for k in _SERIES if len({r[k] for r in part}) > 1), None)
+    name = f"schedulers_{_slug(w)}"
+    label = _trace_label(spec, w)
+    if len(sems) > 1:  # one figure per semantics
+      name += f"_{_slug(sem)}"
+      label = f"{label}, {sem} semantics"
     written += plots.plot_schedulers(
       part,
-      folder / f"schedulers_{_slug(w)}.png",
+      folder / f"{name}.png",
       series=series,
-      trace=_trace_label(spec, w),
+      trace=label,
       also=("pdf",),
     )
   return written

@@ -384,8 +384,13 @@ def run_sweep(
     folder = out / "points"
     done = _load_done(folder, spec, clean=count == 1)
   for sem, policy, n in spec.left_out:
+    from prefixjax.serving.schedulers import scheduler_names
+
+    simulate = policy in scheduler_names()  # no name is both
+    what = "scheduler" if simulate else "policy"
+    mode = "simulate" if simulate else "replay"
     say(
-      f"replay: {n} points of policy {policy} left out ({sem} does not "
+      f"{mode}: {n} points of {what} {policy} left out ({sem} does not "
       "serve it)"
     )
   missing = {}
@@ -535,6 +540,7 @@ _TABLE = {
   ),
   "simulate": (
     ("workload", "workload", "{}"),
+    ("semantics", "semantics", "{}"),
     ("scheduler", "scheduler", "{}"),
     ("router", "router", "{}"),
     ("route_mode", "view", "{}"),

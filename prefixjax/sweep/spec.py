@@ -50,7 +50,9 @@ value, else the default; a point may not leave out a field its section
 lists several values of. In a replay grid, a policy the semantics does not
 serve (vLLM's is ``lru``, SGLang's ``lru_leaf``) is left out of that
 semantics' points, and the spec says how many were left out; a listed policy
-no listed semantics serves is an error.
+no listed semantics serves is an error. Likewise in a simulate grid a
+scheduler SGLang's semantics does not model (it serves ``fcfs`` and
+``lpm``) is left out of its points.
 
 Every error names the file, the field (``simulate.rate[1]``, ``points[2]
 .scheduler``) and the rule broken, before any work.
@@ -356,8 +358,9 @@ class SweepSpec:
     workloads: by name.
     points: every point, grids first (replay, then simulate), then the
       explicit points.
-    left_out: ``(semantics, policy)`` pairs of the replay grid that the
-      semantics does not serve, with how many points each left out.
+    left_out: ``(semantics, policy)`` pairs of the replay grid (or
+      ``(semantics, scheduler)`` of the simulate grid) that the semantics
+      does not serve, with how many points each left out.
     vectorize: ``[sweep] vectorize``: True, False or None (automatic: see
       :func:`prefixjax.serving.simulate_batch`).
     full: whether ``[full]`` was applied.
@@ -714,6 +717,17 @@ def _expand(grid, mode, where, workloads, left_out, *, strict=False):
             f"block_size={params['block_size']}"
           )
     else:
+      from prefixjax.serving.config import SGLANG_POLICIES
+
+      sem, sched = params["semantics"], params["scheduler"]
+      if sem == "sglang" and sched not in SGLANG_POLICIES:
+        if strict:
+          raise SpecError(
+            f"{where}.scheduler: semantics sglang serves "
+            f"{', '.join(SGLANG_POLICIES)}, not {sched}"
+          )
+        left_out[(sem, sched)] = left_out.get((sem, sched), 0) + 1
+        continue
       _check_simulate(params, where)
     w = workloads[params.pop("workload")]
     out.append((mode, w, params))
