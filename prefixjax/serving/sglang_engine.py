@@ -43,6 +43,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from prefixjax.serving.sglang_tree import (
+  IN_BATCH,
+  Consts,
+  Tree,
+  _evict_for,
+  _evictable,
+  _i32,
+  _insert,
+  _lock,
+  _locked_path_evictable,
+  _walk,
+  prepare,
+)
+
 __all__ = [
   "CLIP_MAX_NEW_TOKENS",
   "Config",
@@ -59,7 +73,6 @@ MIN_RATIO = INIT_RATIO * 0.14  # SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
 RATIO_DECAY = (INIT_RATIO - MIN_RATIO) / 600  # ..._DECAY_STEPS
 MATCH_MAX = 128  # WAITING_QUEUE_PREFIX_MATCH_MAX
 REFRESH_INTERVAL = 32  # WAITING_PREFIX_REFRESH_INTERVAL
-IN_BATCH = 32  # IN_BATCH_PREFIX_CACHING_{CHECK,DEPRIORITIZE}_THRESHOLD
 _BIG = np.iinfo(np.int32).max
 
 
@@ -83,278 +96,6 @@ class Config(NamedTuple):
   policy: str  # "fcfs" | "lpm"
   refresh: bool  # SGLANG_ENABLE_WAITING_PREFIX_REFRESH
   steps: int  # step-buffer rows T
-
-
-class Consts(NamedTuple):
-  pages: jax.Array  # [R, M] int32, -1 past the request's full pages
-  parent: jax.Array  # [V] int32
-  depth: jax.Array  # [V] int32
-  prompt: jax.Array  # [R] int32
-  max_new: jax.Array  # [R] int32
-  arrival: jax.Array  # [R] int32 step, _BIG for a rejected request
-  arr_rank: jax.Array  # [R] int32 rank of (arrival, rid)
-  g32: jax.Array  # [R] int32 group of the first 32 tokens, -1 if shorter
-  arr_ms: jax.Array  # [R] int32 arrival ms (a timed clock)
-  arr_frac: jax.Array  # [R] float32 its fraction
-
-
-def _fabricated(rid: int, pos: int) -> int:
-  return (rid * 7919 + pos) % 32000 + 1
-
-
-def prepare(
-  prompts,
-  outputs,
-  max_new,
-  arrival_steps,
-  rejected,
-  page_size: int,
-  arrival_ms=None,
-  arrival_frac=None,
-  sort_by=None,
-) -> Consts:
-  """Host side: page paths, first-32-token groups and arrival ranks.
-
-  Args:
-    prompts: ``R`` prompt token sequences.
-    outputs: ``R`` output token sequences (at least ``max_new`` long).
-    max_new: ``[R]`` outputs each request samples (>= 1).
-    arrival_steps: ``[R]`` arrival step.
-    rejected: ``[R]`` bool, requests refused at arrival.
-    page_size: ``K``.
-    arrival_ms, arrival_frac: ``[R]`` a timed clock's arrival times (ms
-      and its fraction); zeros by default.
-    sort_by: ``[R]`` the arrival order's key (default ``arrival_steps``);
-      ties go by rid.
-  """
-  K = page_size
-  R = len(prompts)
-  ids: dict = {}
-  parent, depth = [0], [0]
-  rows = []
-  groups: dict = {}
-  g32 = np.full((R,), -1, np.int32)
-  for r in range(R):
-    seq = np.concatenate(
-      [np.asarray(prompts[r], np.int64), np.asarray(outputs[r], np.int64)]
-    )[: len(prompts[r]) + int(max_new[r])]
-    if seq.shape[0] >= IN_BATCH:
-      g32[r] = groups.setdefault(seq[:IN_BATCH].tobytes(), len(groups))
-    n = (len(prompts[r]) + int(max_new[r]) - 1) // K
-    node, row = 0, []
-    for j in range(n):
-      key = (node, seq[j * K : (j + 1) * K].tobytes())
-      v = ids.get(key)
-      if v is None:
-        v = ids[key] = len(parent)
-        parent.append(node)
-        depth.append(j)
-      row.append(v)
-      node = v
-    rows.append(row)
-  M = max(1, max(len(x) for x in rows))
-  pages = np.full((R, M), -1, np.int32)
-  for r, row in enumerate(rows):
-    pages[r, : len(row)] = row
-  arrival = np.where(
-    np.asarray(rejected, bool), _BIG, np.asarray(arrival_steps, np.int64)
-  ).astype(np.int32)
-  key = arrival if sort_by is None else np.asarray(sort_by)
-  order = np.lexsort((np.arange(R), key))
-  rank = np.empty((R,), np.int32)
-  rank[order] = np.arange(R, dtype=np.int32)
-  return Consts(
-    pages=jnp.asarray(pages),
-    parent=jnp.asarray(np.asarray(parent, np.int32)),
-    depth=jnp.asarray(np.asarray(depth, np.int32)),
-    prompt=jnp.asarray(np.asarray([len(p) for p in prompts], np.int32)),
-    max_new=jnp.asarray(np.asarray(max_new, np.int32)),
-    arrival=jnp.asarray(arrival),
-    arr_rank=jnp.asarray(rank),
-    g32=jnp.asarray(g32),
-    arr_ms=jnp.asarray(
-      np.zeros((R,), np.int32) if arrival_ms is None else arrival_ms, jnp.int32
-    ),
-    arr_frac=jnp.asarray(
-      np.zeros((R,), np.float32) if arrival_frac is None else arrival_frac,
-      jnp.float32,
-    ),
-  )
-
-
-# ----------------------------------------------------------------- the tree
-class Tree(NamedTuple):
-  """The radix tree and the page pool. Node fields live at a node's first
-  page: ``ts`` last access, ``lock`` lock count, ``nend`` the depth its
-  pages end at (exclusive), ``rep`` a request whose path holds all its
-  pages, ``kids`` its child nodes."""
-
-  cached: jax.Array  # [V] bool
-  nstart: jax.Array  # [V] int32 first page of the node holding each page
-  ts: jax.Array  # [V] int32
-  lock: jax.Array  # [V] int32
-  nend: jax.Array  # [V] int32
-  rep: jax.Array  # [V] int32
-  kids: jax.Array  # [V] int32
-  evictable: jax.Array  # pages in unlocked nodes
-  clock: jax.Array
-  free: jax.Array  # free pages
-  private: jax.Array  # pages held by requests only
-
-
-def _i32(x):
-  return jnp.asarray(x, jnp.int32)
-
-
-def _path(c: Consts, r):
-  p = c.pages[r]
-  return p, jnp.maximum(p, 0)
-
-
-def _put(a, idx, v, ok):
-  """``a[idx] = v`` where ``ok`` (a masked scatter, no select over ``a``)."""
-  return a.at[jnp.where(ok, idx, a.shape[0])].set(v, mode="drop")
-
-
-def _leading(t: Tree, c: Consts, r, n):
-  """Pages of ``r``'s path among its first ``n`` that the tree holds."""
-  p, pv = _path(c, r)
-  j = jnp.arange(p.shape[0])
-  ok = (j < n) & (p >= 0) & t.cached[pv]
-  return _i32(jnp.argmin(jnp.concatenate([ok, jnp.zeros((1,), bool)])))
-
-
-def _walk(t: Tree, c: Consts, r, n, do=True):
-  """``_match_prefix_helper`` over ``r``'s first ``n`` pages (when ``do``):
-  every node walked gets a new time; a node the walk ends inside is split,
-  its upper part a new node with a later time. Returns (pages, tree)."""
-  do = jnp.asarray(do)
-  h = jnp.where(do, _leading(t, c, r, n), 0)
-  p, pv = _path(c, r)
-  V = t.cached.shape[0]
-  M = p.shape[0]
-  j = jnp.arange(M)
-  now = t.clock + 1
-  start = do & (j < h) & (t.nstart[pv] == pv)
-  ts = t.ts.at[jnp.where(start, pv, V)].set(now, mode="drop")
-  x = jnp.where(h > 0, t.nstart[pv[jnp.maximum(h - 1, 0)]], 0)
-  split = do & (h > 0) & (t.nend[x] > h)
-  row = c.pages[t.rep[x]]
-  low = row[jnp.minimum(h, M - 1)]
-  lower = split & (j >= h) & (j < t.nend[x])
-  nstart = t.nstart.at[jnp.where(lower, jnp.maximum(row, 0), V)].set(
-    low, mode="drop"
-  )
-  clock = now - 1 + do.astype(jnp.int32) + split.astype(jnp.int32)
-  ts = _put(_put(ts, x, clock, split), low, now, split)
-  t = t._replace(
-    nstart=nstart,
-    ts=ts,
-    lock=_put(t.lock, low, t.lock[x], split),
-    nend=_put(_put(t.nend, low, t.nend[x], split), x, h, split),
-    rep=_put(t.rep, low, t.rep[x], split),
-    kids=_put(_put(t.kids, low, t.kids[x], split), x, 1, split),
-    clock=clock,
-  )
-  return h, t
-
-
-def _insert(t: Tree, c: Consts, r, n, do=True):
-  """``_insert_helper`` (when ``do``): (pages already there, tree); the rest
-  of ``r``'s first ``n`` pages become one new, unlocked leaf."""
-  do = jnp.asarray(do)
-  h, t = _walk(t, c, r, n, do)
-  p, pv = _path(c, r)
-  V = t.cached.shape[0]
-  j = jnp.arange(p.shape[0])
-  grow = do & (h < n)
-  new = grow & (j >= h) & (j < n)
-  first = pv[jnp.minimum(h, p.shape[0] - 1)]
-  parent = jnp.where(h > 0, t.nstart[pv[jnp.maximum(h - 1, 0)]], 0)
-  clock = t.clock + grow.astype(jnp.int32)
-  idx = jnp.where(new, pv, V)
-  size = jnp.where(grow, n - h, 0)
-  t = t._replace(
-    cached=t.cached.at[idx].set(True, mode="drop"),
-    nstart=t.nstart.at[idx].set(first, mode="drop"),
-    ts=_put(t.ts, first, clock, grow),
-    lock=_put(t.lock, first, 0, grow),
-    nend=_put(t.nend, first, n, grow),
-    rep=_put(t.rep, first, r, grow),
-    kids=_put(_put(t.kids, first, 0, grow), parent, t.kids[parent] + 1, grow),
-    evictable=t.evictable + size,
-    clock=clock,
-  )
-  return jnp.where(do, h, 0), t
-
-
-def _lock(t: Tree, c: Consts, r, n, delta):
-  """Adds ``delta`` to the lock count of every node on ``r``'s first ``n``
-  pages (SGLang's ``inc_lock_ref`` / ``dec_lock_ref`` of its last node)."""
-  p, pv = _path(c, r)
-  V = t.cached.shape[0]
-  j = jnp.arange(p.shape[0])
-  start = (j < n) & (t.nstart[pv] == pv)
-  before = t.lock[pv]
-  size = t.nend[pv] - c.depth[pv]
-  flip = start & (before == (0 if delta > 0 else 1))
-  moved = jnp.sum(jnp.where(flip, size, 0), dtype=jnp.int32)
-  return t._replace(
-    lock=t.lock.at[jnp.where(start, pv, V)].add(delta, mode="drop"),
-    evictable=t.evictable - moved if delta > 0 else t.evictable + moved,
-  )
-
-
-def _locked_path_evictable(t: Tree, c: Consts, r, n):
-  """Evictable pages if ``r``'s first ``n`` pages were locked too."""
-  p, pv = _path(c, r)
-  j = jnp.arange(p.shape[0])
-  start = (j < n) & (t.nstart[pv] == pv) & (t.lock[pv] == 0)
-  size = t.nend[pv] - c.depth[pv]
-  return t.evictable - jnp.sum(jnp.where(start, size, 0), dtype=jnp.int32)
-
-
-def _evictable(t: Tree, K):
-  return K * t.evictable
-
-
-def _evict(t: Tree, c: Consts, K, need):
-  """``RadixCache.evict``: whole LRU unlocked leaves until ``need`` tokens."""
-  V = t.cached.shape[0]
-  v = jnp.arange(V)
-  M = c.pages.shape[1]
-  j = jnp.arange(M)
-
-  def cond(s):
-    t, ev, more = s
-    return (ev * K < need) & more
-
-  def body(s):
-    t, ev, _ = s
-    cand = t.cached & (t.nstart == v) & (v != 0) & (t.kids == 0) & (t.lock == 0)
-    x = _i32(jnp.argmin(jnp.where(cand, t.ts, _BIG)))
-    ok = cand[x]
-    row = c.pages[t.rep[x]]
-    mine = ok & (j >= c.depth[x]) & (j < t.nend[x])
-    cnt = jnp.where(ok, t.nend[x] - c.depth[x], 0)
-    parent = t.nstart[c.parent[x]]
-    t = t._replace(
-      cached=t.cached.at[jnp.where(mine, jnp.maximum(row, 0), V)].set(
-        False, mode="drop"
-      ),
-      kids=_put(t.kids, parent, t.kids[parent] - 1, ok),
-      evictable=t.evictable - cnt,
-      free=t.free + cnt,
-    )
-    return t, ev + cnt, ok
-
-  t, _, _ = jax.lax.while_loop(cond, body, (t, _i32(0), jnp.bool_(True)))
-  return t
-
-
-def _evict_for(t: Tree, c: Consts, K, demand):
-  """``evict_to_free_tokens``: evict the shortfall of ``demand`` tokens."""
-  return _evict(t, c, K, demand - t.free * K)
 
 
 # ------------------------------------------------------------ request state
@@ -440,6 +181,26 @@ def _free_row(t: Tree, q: Reqs, c: Consts, r):
 def _release(t, q, c, K, r):
   t, q = _checkpoint(t, q, c, K, r, c.prompt[r] + q.n_out[r] - 1)
   return _free_row(t, q, c, r)
+
+
+def _when(pred, fn, x):
+  """``fn(x)`` if ``pred`` else ``x``, as a while loop of 0 or 1 trips.
+
+  ``lax.cond`` copies every array of its operand that a branch returns
+  unchanged (on XLA:CPU: each pool- and request-sized array, every step); a
+  while loop updates its carry in place."""
+  go = jnp.asarray(pred).astype(jnp.int32)
+
+  def body(s):
+    return s[0] + 1, fn(s[1])
+
+  return jax.lax.while_loop(lambda s: s[0] < go, body, (_i32(0), x))[1]
+
+
+def _cond(pred, f, g, x):
+  """``f(x)`` if ``pred`` else ``g(x)`` (both return ``x``'s structure)."""
+  pred = jnp.asarray(pred)
+  return _when(~pred, g, _when(pred, f, x))
 
 
 def _smallest(mask, key, k: int):
@@ -529,10 +290,10 @@ def _calc_priority(s: State, c: Consts, cfg: Config) -> State:
       return s._replace(tree=t)
 
     s = s._replace(refresh_calls=calls)
-    return jax.lax.cond(go, touch, lambda s: s, s)
+    return _when(go, touch, s)
 
   if cfg.policy == "lpm":
-    return jax.lax.cond(use_lpm, lpm, fcfs, s)
+    return _cond(use_lpm, lpm, fcfs, s)
   return fcfs(s)
 
 
@@ -629,8 +390,8 @@ def _prefill(s: State, c: Consts, cfg: Config):
       b = dict(b, nb=b["nb"] + 1, ext_sum=b["ext_sum"] + new_len)
       return t, q, b, out, jnp.where(trunc, r, -1)
 
-    t, q, b, out, chunked = jax.lax.cond(
-      chunked >= 0, add_chunked, lambda x: x, (t, q, b, out, chunked)
+    t, q, b, out, chunked = _when(
+      chunked >= 0, add_chunked, (t, q, b, out, chunked)
     )
 
     # the waiting queue, in order
@@ -709,19 +470,17 @@ def _prefill(s: State, c: Consts, cfg: Config):
           full = jnp.where(no_token, True, full)
           return (t, q, b, out, chunked, full), ~no_token & ~oth
 
-        def reject(x):
-          return x, jnp.bool_(False)
-
-        (t, q, b, out, chunked, full), more = jax.lax.cond(
-          admit, do_admit, reject, (t, q, b, out, chunked, full)
+        (t, q, b, out, chunked, full), more = _when(
+          admit,
+          lambda y: do_admit(y[0]),
+          ((t, q, b, out, chunked, full), jnp.bool_(False)),
         )
         return (t, q, b, out, chunked, full, err), more
 
-      (t, q, b, out, chunked, full, err), more = jax.lax.cond(
+      (t, q, b, out, chunked, full, err), more = _when(
         proceed,
-        try_one,
-        lambda x: (x, jnp.bool_(False)),
-        (t, q, b, out, chunked, full, err),
+        lambda y: try_one(y[0]),
+        ((t, q, b, out, chunked, full, err), jnp.bool_(False)),
       )
       return t, q, b, out, chunked, full, err, i + 1, more
 
@@ -730,9 +489,7 @@ def _prefill(s: State, c: Consts, cfg: Config):
     # prepare_for_extend
     nb = b["nb"]
     demand = b["ext_sum"] + (nb * K if K > 1 else 0)
-    t = jax.lax.cond(
-      nb > 0, lambda t: _evict_for(t, c, K, demand), lambda t: t, t
-    )
+    t = _evict_for(t, c, K, jnp.where(nb > 0, demand, 0))
     need = jnp.where(q.in_batch, -(-q.extend_end // K) - (-(-q.prefix // K)), 0)
     total_need = jnp.sum(need, dtype=jnp.int32)
     oom = total_need > t.free
@@ -748,7 +505,7 @@ def _prefill(s: State, c: Consts, cfg: Config):
     )
     return s, nb
 
-  return jax.lax.cond(go, attempt, lambda s: (s, _i32(0)), s)
+  return _when(go, lambda y: attempt(y[0]), (s, _i32(0)))
 
 
 def _finish_prefill(s: State, c: Consts, cfg: Config) -> State:
@@ -781,9 +538,9 @@ def _finish_prefill(s: State, c: Consts, cfg: Config) -> State:
         t, q = _checkpoint(t, q, c, K, r, q.extend_end[r])
         return t, q._replace(prefix=_set(q.prefix, r, q.extend_end[r])), cur
 
-      return jax.lax.cond(done, fin, pub, (t, q, cur))
+      return _cond(done, fin, pub, (t, q, cur))
 
-    return jax.lax.cond(skip, lambda x: x, go, (t, q, cur))
+    return _when(~skip, go, (t, q, cur))
 
   q = s.q
   q = q._replace(
@@ -822,16 +579,14 @@ def _decode(s: State, c: Consts, cfg: Config) -> State:
   t, ok = fits(t, q.running)
 
   def retract(x):
-    t, q, status, qnext, cur = x
+    t, q, status, _, qnext, cur = x
 
     def cond(y):
       return y[-1]
 
     def body(y):
       t, q, kept, qnext, cur, first, _ = y
-      t, ok = jax.lax.cond(
-        first, lambda t: (t, jnp.bool_(False)), lambda t: fits(t, kept), t
-      )
+      t, ok = _when(~first, lambda y: fits(y[0], kept), (t, jnp.bool_(False)))
       nk = jnp.sum(kept, dtype=jnp.int32)
       go = ~ok & (nk > 1)
       # victim: fewest outputs, then longest prompt, then latest in batch
@@ -862,9 +617,7 @@ def _decode(s: State, c: Consts, cfg: Config) -> State:
         )
         return t, q, kept, qnext + 1, cur
 
-      t, q, kept, qnext, cur = jax.lax.cond(
-        go, do, lambda z: z, (t, q, kept, qnext, cur)
-      )
+      t, q, kept, qnext, cur = _when(go, do, (t, q, kept, qnext, cur))
       return t, q, kept, qnext, cur, jnp.bool_(False), go
 
     t, q, kept, qnext, cur, _, _ = jax.lax.while_loop(
@@ -873,9 +626,7 @@ def _decode(s: State, c: Consts, cfg: Config) -> State:
       (t, q, q.running, qnext, cur, jnp.bool_(True), jnp.bool_(True)),
     )
     nk = jnp.sum(kept, dtype=jnp.int32)
-    t, ok = jax.lax.cond(
-      nk <= 1, lambda t: fits(t, kept), lambda t: (t, jnp.bool_(True)), t
-    )
+    t, ok = _when(nk <= 1, lambda y: fits(y[0], kept), (t, jnp.bool_(True)))
     status = status | jnp.where(ok, 0, Status.OUT_OF_MEMORY)
     outs = jnp.sum(jnp.where(kept, q.n_out, 0), dtype=jnp.int32)
     maxs = jnp.sum(jnp.where(kept, c.max_new, 0), dtype=jnp.int32)
@@ -887,12 +638,12 @@ def _decode(s: State, c: Consts, cfg: Config) -> State:
     return t, q, status, ratio, qnext, cur
 
   def keep(x):
-    t, q, status, qnext, cur = x
+    t, q, status, _, qnext, cur = x
     ratio = jnp.maximum(s.ratio - RATIO_DECAY, MIN_RATIO).astype(jnp.float32)
     return t, q, status, ratio, qnext, cur
 
-  t, q, status, ratio, qnext, cur = jax.lax.cond(
-    ok, keep, retract, (t, q, s.status, s.qnext, s.cur)
+  t, q, status, ratio, qnext, cur = _cond(
+    ok, keep, retract, (t, q, s.status, s.ratio, s.qnext, s.cur)
   )
   nret = jnp.sum(s.q.running & ~q.running, dtype=jnp.int32)
   full = jnp.where(nret > 0, False, s.full)
@@ -977,7 +728,7 @@ def _merge(s: State, c: Consts, cfg: Config) -> State:
     return t, q._replace(prefix=_set(q.prefix, ch, q.extend_end[ch]))
 
   go = (ch >= 0) & (q.extend_end[chv] > q.prefix[chv])
-  t, q = jax.lax.cond(go, stash, lambda x: x, (t, q))
+  t, q = _when(go, stash, (t, q))
   R = q.waiting.shape[0]
   is_ch = jnp.arange(R) == ch
   finished = q.finish >= 0
@@ -1063,10 +814,10 @@ def _step(s: State, c: Consts, cfg: Config, clock) -> State:
         step=step,
       )
 
-    return jax.lax.cond(nrun > 0, decode_step, idle, s)
+    return _cond(nrun > 0, decode_step, idle, s)
 
   row = s.row
-  s = jax.lax.cond(nb > 0, prefill_step, other, s)
+  s = _cond(nb > 0, prefill_step, other, s)
   rec = s.cur["rec"]
   T = out["step"].shape[0]
   at = jnp.where(s.row > row, row, T)  # idle: nothing written

@@ -26,12 +26,7 @@ from prefixjax.serving import sglang_engine as eng
 from prefixjax.serving.config import ServingConfig
 from prefixjax.serving.engine_state import StepRecord
 from prefixjax.serving.results import SimResult
-from prefixjax.serving.simulate import (
-  NUM_FABRICATED_VOCAB,
-  _parse,
-  arrival_steps,
-  arrival_times_s,
-)
+from prefixjax.serving.simulate import _arrival_arrays, _request_tokens
 
 __all__ = ["simulate_sglang"]
 
@@ -61,39 +56,14 @@ def _prepare(
 ) -> _Prepared:
   k, mml = config.block_size, config.max_model_len
   r = len(records)
-  prompts, outputs = [], []
-  prompt_len = np.zeros((r,), np.int32)
-  max_tokens = np.zeros((r,), np.int32)
-  max_new = np.ones((r,), np.int32)
-  rejected = np.zeros((r,), bool)
-  for rid, rec in enumerate(records):
-    prompt, mt, out_ids = _parse(rid, rec)
-    p = len(prompt)
-    prompt_len[rid], max_tokens[rid] = p, mt
-    prompts.append(prompt)
-    if not 0 < p < mml:  # SGLang refuses a prompt of the context length
-      rejected[rid] = True
-      outputs.append(np.zeros((1,), np.int64))
-      continue
-    n = max(min(mt, mml - p), 1)
-    given = min(len(out_ids), n)
-    pos = np.arange(given, n, dtype=np.int64)
-    fab = (rid * 7919 + pos) % NUM_FABRICATED_VOCAB + 1
-    outputs.append(np.concatenate([out_ids[:given], fab]))
-    max_new[rid] = n
-  arrival_ms = arrival_frac = arrival_msf = arrival_s = None
-  if timer is None:
-    arrival = arrival_steps(records, arrivals, step_time_ms, rate, seed)
-    sort_by = arrival
-  else:
-    arrival = np.zeros((r,), np.int32)
-    secs = arrival_times_s(records, arrivals, rate, seed)
-    ms = np.floor(secs * 1e3)
-    arrival_frac = (secs * 1e3 - ms).astype(np.float32)
-    arrival_ms = ms.astype(np.int32)
-    arrival_msf = arrival_ms + arrival_frac.astype(np.float64)
-    arrival_s = arrival_msf / 1e3
-    sort_by = arrival_s
+  prompts, outputs, prompt_len, max_tokens, rejected = _request_tokens(
+    records, mml
+  )
+  max_new = np.asarray([max(len(o), 1) for o in outputs], np.int32)
+  arr = _arrival_arrays(
+    records, arrivals, step_time_ms, rate, seed, timer is not None
+  )
+  arrival = arr["arrival"]
   consts = eng.prepare(
     prompts,
     outputs,
@@ -101,9 +71,9 @@ def _prepare(
     arrival,
     rejected,
     k,
-    arrival_ms=arrival_ms,
-    arrival_frac=arrival_frac,
-    sort_by=sort_by,
+    arrival_ms=arr["arrival_ms"],
+    arrival_frac=arr["arrival_frac"],
+    sort_by=arr["sort_by"],
   )
   ok = ~rejected
   work = int(prompt_len[ok].sum()) // max(config.max_num_batched_tokens, 1)
@@ -125,8 +95,8 @@ def _prepare(
       prompt_len=prompt_len,
       max_tokens=max_tokens,
       arrival=arrival,
-      arrival_s=arrival_s,
-      arrival_msf=arrival_msf,
+      arrival_s=arr["arrival_s"],
+      arrival_msf=arr["arrival_msf"],
       rejected=rejected,
     ),
   )

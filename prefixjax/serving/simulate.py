@@ -13,8 +13,7 @@ and :meth:`SimResult.requests` have the keys and values of
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import jax
@@ -42,7 +41,6 @@ __all__ = [
   "prepare_records",
   "records_from_trace",
   "simulate",
-  "simulate_batch",
   "fan_out",
 ]
 
@@ -335,12 +333,20 @@ def arrival_steps(
   return np.asarray(steps, np.int32)
 
 
-def _prepare(records: list[Mapping[str, Any]], config: ServingConfig):
-  k, mml = config.block_size, config.max_model_len
-  m = config.max_blocks_per_seq
+def _request_tokens(records: list[Mapping[str, Any]], max_model_len: int):
+  """Each record's prompt and the outputs it will sample, on the host.
+
+  A prompt that is empty or of ``max_model_len`` tokens or more is rejected
+  (vLLM's ``InputProcessor``; SGLang refuses it too) and gets no outputs;
+  the others sample ``min(max_tokens, max_model_len - P)`` tokens: the
+  record's ``output_tok_ids``, then :func:`fabricated_token`'s.
+
+  Returns:
+    ``(prompts, outputs, prompt_len, max_tokens, rejected)``: ``R`` int64
+    arrays each, then ``[R]`` int32, ``[R]`` int32 and ``[R]`` bool.
+  """
   r = len(records)
-  tokens = np.zeros((r, m * k), np.int32)
-  lens = np.zeros((r,), np.int32)
+  prompts, outputs = [], []
   prompt_len = np.zeros((r,), np.int32)
   max_tokens = np.zeros((r,), np.int32)
   rejected = np.zeros((r,), bool)
@@ -348,22 +354,71 @@ def _prepare(records: list[Mapping[str, Any]], config: ServingConfig):
     prompt, mt, out_ids = _parse(rid, rec)
     p = len(prompt)
     prompt_len[rid], max_tokens[rid] = p, mt
-    if not 0 < p < mml:  # InputProcessor
+    prompts.append(prompt)
+    if not 0 < p < max_model_len:
       rejected[rid] = True
+      outputs.append(np.zeros((0,), np.int64))
       continue
-    n_out = min(mt, mml - p)
+    n_out = min(mt, max_model_len - p)
     given = min(len(out_ids), n_out)
-    tokens[rid, :p] = prompt
-    tokens[rid, p : p + given] = out_ids[:given]
     pos = np.arange(given, n_out, dtype=np.int64)  # fabricated_token's rule
-    tokens[rid, p + given : p + n_out] = (
-      rid * 7919 + pos
-    ) % NUM_FABRICATED_VOCAB + 1
+    fab = (rid * 7919 + pos) % NUM_FABRICATED_VOCAB + 1
+    outputs.append(np.concatenate([out_ids[:given], fab]))
+  return prompts, outputs, prompt_len, max_tokens, rejected
+
+
+def _prepare(records: list[Mapping[str, Any]], config: ServingConfig):
+  k, mml = config.block_size, config.max_model_len
+  m = config.max_blocks_per_seq
+  r = len(records)
+  prompts, outputs, prompt_len, max_tokens, rejected = _request_tokens(
+    records, mml
+  )
+  tokens = np.zeros((r, m * k), np.int32)
+  lens = np.zeros((r,), np.int32)
+  for rid in np.flatnonzero(~rejected):
+    p, n_out = len(prompts[rid]), len(outputs[rid])
+    tokens[rid, :p] = prompts[rid]
+    tokens[rid, p : p + n_out] = outputs[rid]
     lens[rid] = p + n_out
   keys, _ = jax.vmap(lambda t, n: hashing.block_hashes(t, n, block_size=k))(
     jnp.asarray(tokens), jnp.asarray(lens)
   )
   return keys, prompt_len, max_tokens, rejected, lens
+
+
+def _arrival_arrays(
+  records, arrivals, step_time_ms, rate, seed, timed: bool
+) -> dict[str, Any]:
+  """Arrivals as the engines read them: steps (the steps clock) or a timed
+  clock's ``(ms, fraction)`` with the float64 times the device compares,
+  and the key of the arrival order."""
+  r = len(records)
+  if not timed:
+    arrival = arrival_steps(records, arrivals, step_time_ms, rate, seed)
+    return dict(
+      arrival=arrival,
+      arrival_ms=None,
+      arrival_frac=None,
+      arrival_msf=None,
+      arrival_s=None,
+      sort_by=arrival,
+    )
+  if step_time_ms is not None:
+    raise ValueError("step_time_ms is for clock='steps' only")
+  secs = arrival_times_s(records, arrivals, rate, seed)
+  ms = np.floor(secs * 1e3)
+  frac = (secs * 1e3 - ms).astype(np.float32)
+  ms = ms.astype(np.int32)
+  msf = ms + frac.astype(np.float64)  # the times the device compares (ms)
+  return dict(
+    arrival=np.zeros((r,), np.int32),
+    arrival_ms=ms,
+    arrival_frac=frac,
+    arrival_msf=msf,
+    arrival_s=msf / 1e3,
+    sort_by=msf / 1e3,
+  )
 
 
 def simulate(
@@ -480,8 +535,6 @@ def _simulate_sglang(
   if step_time_ms is not None and not step_time_ms > 0:
     raise ValueError(f"step_time_ms={step_time_ms!r} must be > 0")
   timer = _clock(clock, model, hardware)
-  if timer is not None and step_time_ms is not None:
-    raise ValueError("step_time_ms is for clock='steps' only")
   return simulate_sglang(
     records,
     config,
@@ -600,23 +653,12 @@ def _build(
   if step_time_ms is not None and not step_time_ms > 0:
     raise ValueError(f"step_time_ms={step_time_ms!r} must be > 0")
   timer = _clock(clock, model, hardware)
-  arrival_ms = arrival_frac = arrival_msf = None
-  if timer is None:
-    arrival = arrival_steps(records, arrivals, step_time_ms, rate, seed)
-    arrival_s = None
-    sort_by = arrival
-  else:
-    if step_time_ms is not None:
-      raise ValueError("step_time_ms is for clock='steps' only")
-    arrival = np.zeros((len(records),), np.int32)
-    secs = arrival_times_s(records, arrivals, rate, seed)
-    arrival_ms = np.floor(secs * 1e3)
-    arrival_frac = (secs * 1e3 - arrival_ms).astype(np.float32)
-    arrival_ms = arrival_ms.astype(np.int32)
-    # The times the device compares, to the bit (in ms).
-    arrival_msf = arrival_ms + arrival_frac.astype(np.float64)
-    arrival_s = arrival_msf / 1e3
-    sort_by = arrival_s
+  arr = _arrival_arrays(
+    records, arrivals, step_time_ms, rate, seed, timer is not None
+  )
+  arrival, sort_by = arr["arrival"], arr["sort_by"]
+  arrival_ms, arrival_frac = arr["arrival_ms"], arr["arrival_frac"]
+  arrival_msf, arrival_s = arr["arrival_msf"], arr["arrival_s"]
   priority, rank, prio_key = _priority_order(records, arrivals, rate, seed)
   scheduler = config.scheduler_object
   client = _clients(records)
@@ -749,192 +791,6 @@ def _field(records, name: str) -> np.ndarray | None:
   if name not in records[0]:
     return None
   return np.asarray([rec[name] for rec in records], np.int64)
-
-
-_STATIC = (
-  "semantics",
-  "num_gpu_blocks",
-  "block_size",
-  "max_num_seqs",
-  "max_model_len",
-  "parallel_sampling",
-)
-
-
-def _per_config(name: str, value, n: int) -> list:
-  """``value`` for each of ``n`` configurations (a scalar or a sequence)."""
-  if isinstance(value, (list, tuple, np.ndarray)):
-    if len(value) != n:
-      raise ValueError(
-        f"{name} has {len(value)} entries for {n} configurations"
-      )
-    return list(value)
-  return [value] * n
-
-
-def simulate_batch(
-  trace: Trace | Iterable[Mapping[str, Any]],
-  configs: Sequence[ServingConfig],
-  *,
-  arrivals: Arrivals = "zero",
-  step_time_ms: float | Sequence[float] | None = None,
-  rate: float | Sequence[float] | None = None,
-  seed: int | Sequence[int] = 0,
-  max_steps: int | None = None,
-  clock: Any = "steps",
-  model: str | configs.ModelConfig | None = None,
-  hardware: str | configs.HardwareConfig | None = None,
-  vectorize: bool | None = None,
-  devices: Sequence[jax.Device] | None = None,
-) -> list[SimResult]:
-  """:func:`simulate` for many configurations with one compiled program.
-
-  The configurations must share the static shapes, ``num_gpu_blocks``,
-  ``block_size``, ``max_num_seqs``, ``max_model_len``, and the scheduler;
-  they may differ in ``max_num_batched_tokens``, ``chunked_prefill`` and
-  ``long_prefill_token_threshold``, and each may have its own
-  ``step_time_ms``, ``rate`` and ``seed`` (pass a sequence; a scalar is
-  shared), so a whole load curve (Poisson rates x seeds) is one compiled
-  program. Each result equals :func:`simulate`'s for its configuration,
-  except that only the per-step totals are kept
-  (``SimResult.lanes_recorded`` is False: :meth:`SimResult.metrics` and
-  :meth:`SimResult.requests` work, :meth:`SimResult.steps` does not).
-
-  ``vectorize``: run the configurations as one ``jax.vmap``-ed loop
-  (True), or one after another through the same compiled program (False).
-  The default, None, vectorizes on accelerators only: on a CPU the
-  vmapped loop costs far more than the configurations one by one (its
-  branches all run and its scatters become general ones; measured on this
-  project's 2-core CPU: 16 configurations of 200 requests 35 s vmapped,
-  about 0.3 s each one by one). Both give the same results.
-
-  ``devices``: when vectorized, the configurations' axis is sharded over
-  these devices (a one-axis :class:`jax.sharding.Mesh` named
-  ``"configs"``; the configurations are padded with copies of the last to
-  a multiple of the device count, and the copies dropped). Default: the
-  default device only. The results do not depend on the device count.
-
-  Raises:
-    ValueError: no configurations, configurations that differ in a static
-      field (the message names it), per-configuration sequences of the
-      wrong length, and everything :func:`simulate` refuses.
-  """
-  configs = list(configs)
-  if not configs:
-    raise ValueError("simulate_batch needs at least one configuration")
-  for c in configs:
-    if not isinstance(c, ServingConfig):
-      raise TypeError(f"configs must be ServingConfigs, got {type(c)}")
-  first = configs[0]
-  for i, c in enumerate(configs):
-    for name in _STATIC:
-      if getattr(c, name) != getattr(first, name):
-        raise ValueError(
-          f"configs[{i}].{name}={getattr(c, name)} differs from "
-          f"configs[0].{name}={getattr(first, name)}: a batch shares its "
-          f"static shapes ({', '.join(_STATIC)})"
-        )
-    if c.scheduler_object != first.scheduler_object:
-      raise ValueError(
-        f"configs[{i}].scheduler differs from configs[0]'s: a batch shares "
-        "its scheduler"
-      )
-  n = len(configs)
-  records = _check_records(trace)
-  if first.semantics == "sglang":  # one after another (not vmapped yet)
-    out = []
-    for c, dt, rt, sd in zip(
-      configs,
-      _per_config("step_time_ms", step_time_ms, n),
-      _per_config("rate", rate, n),
-      _per_config("seed", seed, n),
-      strict=True,
-    ):
-      res = _simulate_sglang(
-        records, c, arrivals, dt, rt, sd, max_steps, clock, model, hardware
-      )
-      out.append(dataclasses.replace(res, lanes_recorded=False))
-    return out
-  builds = [
-    _build(records, c, arrivals, dt, rt, sd, clock, model, hardware)
-    for c, dt, rt, sd in zip(
-      configs,
-      _per_config("step_time_ms", step_time_ms, n),
-      _per_config("rate", rate, n),
-      _per_config("seed", seed, n),
-      strict=True,
-    )
-  ]
-  b0 = builds[0]
-
-  def stack(*xs):
-    return jnp.stack(xs)
-
-  state = jax.tree.map(stack, *[b.state for b in builds])
-  params = jax.tree.map(stack, *[b.params for b in builds])
-  shared = b0.reqs.keys  # equal for equal block sizes and records
-  reqs = jax.tree.map(stack, *[b.reqs.replace(keys=None) for b in builds])
-  reqs = reqs.replace(keys=shared)
-  axes = jax.tree.map(lambda _: 0, reqs.replace(keys=None)).replace(keys=None)
-  if vectorize is None:
-    vectorize = jax.default_backend() != "cpu"
-  if not vectorize:
-    return [_run_one(b, max_steps, record_lanes=False) for b in builds]
-  if devices is not None and len(devices) > 1:
-    state, reqs, params = _shard_lanes((state, reqs, params), n, devices)
-  retry = max_steps is None
-  steps = max_steps or max(b.rows for b in builds)
-  while True:
-    run = jax.vmap(
-      functools.partial(
-        engine.run,
-        max_steps=steps,
-        scheduler=b0.scheduler,
-        clock=b0.timer,
-        record_lanes=False,
-      ),
-      in_axes=(0, axes, 0),
-    )
-    final, trace_out = run(state, reqs, params)
-    errors = np.asarray(final.error)
-    if not (retry and np.any(errors == engine.SimStatus.OUT_OF_STEPS)):
-      break
-    steps *= 2
-  final = jax.device_get(final)
-  trace_out = jax.device_get(trace_out)
-  out = []
-  for i, b in enumerate(builds):
-    f = jax.tree.map(lambda x, i=i: x[i], final)
-    t = jax.tree.map(lambda x, i=i: x[i], trace_out)
-    out.append(dataclasses.replace(_collect(b, f, t), lanes_recorded=False))
-  return out
-
-
-def _shard_lanes(tree, n: int, devices):
-  """Pads the leading (configuration) axis to a multiple of the device
-  count and shards it over a one-axis mesh; unbatched leaves (the shared
-  keys, ``None``) are replicated."""
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-  mesh = Mesh(np.asarray(list(devices)), ("configs",))
-  pad = -n % len(devices)
-  lanes = NamedSharding(mesh, PartitionSpec("configs"))
-  whole = NamedSharding(mesh, PartitionSpec())
-
-  def place(x):
-    if x.ndim == 0 or x.shape[0] != n:
-      return jax.device_put(x, whole)
-    if pad:
-      x = jnp.concatenate([x, jnp.repeat(x[-1:], pad, axis=0)])
-    return jax.device_put(x, lanes)
-
-  state, reqs, params = tree
-  keys = reqs.keys
-  state, params = jax.tree.map(place, (state, params))
-  reqs = jax.tree.map(place, reqs.replace(keys=None)).replace(
-    keys=jax.device_put(keys, whole)
-  )
-  return state, reqs, params
 
 
 def _collect(built: _Built, f, trace_out) -> SimResult:

@@ -1,0 +1,316 @@
+"""The trace and the radix tree of :mod:`prefixjax.serving.sglang_engine`.
+
+:class:`Consts` is the trace on device: every request's page path (pages are
+trie nodes of whole page prefixes, page 0 the root), each page's parent and
+depth, and the per-request facts the scheduler reads; :func:`prepare` builds
+it on the host. :class:`Tree` is SGLang 0.5.23's paged ``RadixCache``
+(``srt/mem_cache/radix_cache.py``) over those pages plus the page pool, and
+the functions below are its verbs (match with splits, insert, lock, LRU
+eviction of whole leaf nodes), each touching one request's path (``O(M)``)
+except the eviction's choice of leaf (``O(V)``). The rules are checked
+through the engine against ``tests/reference_models/sglang_scheduler.py``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from prefixjax._masked import barrier
+
+__all__ = ["IN_BATCH", "Consts", "Tree", "prepare"]
+
+IN_BATCH = 32  # IN_BATCH_PREFIX_CACHING_{CHECK,DEPRIORITIZE}_THRESHOLD
+_BIG = np.iinfo(np.int32).max
+
+
+class Consts(NamedTuple):
+  pages: jax.Array  # [R, M] int32, -1 past the request's full pages
+  parent: jax.Array  # [V] int32
+  depth: jax.Array  # [V] int32
+  prompt: jax.Array  # [R] int32
+  max_new: jax.Array  # [R] int32
+  arrival: jax.Array  # [R] int32 step, _BIG for a rejected request
+  arr_rank: jax.Array  # [R] int32 rank of (arrival, rid)
+  g32: jax.Array  # [R] int32 group of the first 32 tokens, -1 if shorter
+  arr_ms: jax.Array  # [R] int32 arrival ms (a timed clock)
+  arr_frac: jax.Array  # [R] float32 its fraction
+
+
+def prepare(
+  prompts,
+  outputs,
+  max_new,
+  arrival_steps,
+  rejected,
+  page_size: int,
+  arrival_ms=None,
+  arrival_frac=None,
+  sort_by=None,
+) -> Consts:
+  """Host side: page paths, first-32-token groups and arrival ranks.
+
+  Args:
+    prompts: ``R`` prompt token sequences.
+    outputs: ``R`` output token sequences (at least ``max_new`` long).
+    max_new: ``[R]`` outputs each request samples (>= 1).
+    arrival_steps: ``[R]`` arrival step.
+    rejected: ``[R]`` bool, requests refused at arrival.
+    page_size: ``K``.
+    arrival_ms, arrival_frac: ``[R]`` a timed clock's arrival times (ms
+      and its fraction); zeros by default.
+    sort_by: ``[R]`` the arrival order's key (default ``arrival_steps``);
+      ties go by rid.
+  """
+  K = page_size
+  R = len(prompts)
+  ids: dict = {}
+  parent, depth = [0], [0]
+  rows = []
+  groups: dict = {}
+  g32 = np.full((R,), -1, np.int32)
+  for r in range(R):
+    seq = np.concatenate(
+      [np.asarray(prompts[r], np.int64), np.asarray(outputs[r], np.int64)]
+    )[: len(prompts[r]) + int(max_new[r])]
+    if seq.shape[0] >= IN_BATCH:
+      g32[r] = groups.setdefault(seq[:IN_BATCH].tobytes(), len(groups))
+    n = (len(prompts[r]) + int(max_new[r]) - 1) // K
+    node, row = 0, []
+    for j in range(n):
+      key = (node, seq[j * K : (j + 1) * K].tobytes())
+      v = ids.get(key)
+      if v is None:
+        v = ids[key] = len(parent)
+        parent.append(node)
+        depth.append(j)
+      row.append(v)
+      node = v
+    rows.append(row)
+  M = max(1, max(len(x) for x in rows))
+  pages = np.full((R, M), -1, np.int32)
+  for r, row in enumerate(rows):
+    pages[r, : len(row)] = row
+  arrival = np.where(
+    np.asarray(rejected, bool), _BIG, np.asarray(arrival_steps, np.int64)
+  ).astype(np.int32)
+  key = arrival if sort_by is None else np.asarray(sort_by)
+  order = np.lexsort((np.arange(R), key))
+  rank = np.empty((R,), np.int32)
+  rank[order] = np.arange(R, dtype=np.int32)
+  return Consts(
+    pages=jnp.asarray(pages),
+    parent=jnp.asarray(np.asarray(parent, np.int32)),
+    depth=jnp.asarray(np.asarray(depth, np.int32)),
+    prompt=jnp.asarray(np.asarray([len(p) for p in prompts], np.int32)),
+    max_new=jnp.asarray(np.asarray(max_new, np.int32)),
+    arrival=jnp.asarray(arrival),
+    arr_rank=jnp.asarray(rank),
+    g32=jnp.asarray(g32),
+    arr_ms=jnp.asarray(
+      np.zeros((R,), np.int32) if arrival_ms is None else arrival_ms, jnp.int32
+    ),
+    arr_frac=jnp.asarray(
+      np.zeros((R,), np.float32) if arrival_frac is None else arrival_frac,
+      jnp.float32,
+    ),
+  )
+
+
+# ----------------------------------------------------------------- the tree
+class Tree(NamedTuple):
+  """The radix tree and the page pool. Node fields live at a node's first
+  page: ``ts`` last access, ``lock`` lock count, ``nend`` the depth its
+  pages end at (exclusive), ``rep`` a request whose path holds all its
+  pages, ``kids`` its child nodes."""
+
+  cached: jax.Array  # [V] bool
+  nstart: jax.Array  # [V] int32 first page of the node holding each page
+  ts: jax.Array  # [V] int32
+  lock: jax.Array  # [V] int32
+  nend: jax.Array  # [V] int32
+  rep: jax.Array  # [V] int32
+  kids: jax.Array  # [V] int32
+  evictable: jax.Array  # pages in unlocked nodes
+  clock: jax.Array
+  free: jax.Array  # free pages
+  private: jax.Array  # pages held by requests only
+
+
+def _i32(x):
+  return jnp.asarray(x, jnp.int32)
+
+
+def _path(c: Consts, r):
+  p = c.pages[r]
+  return p, jnp.maximum(p, 0)
+
+
+def _put(a, idx, v, ok):
+  """``a[idx] = v`` where ``ok`` (a masked scatter, no select over ``a``)."""
+  return a.at[jnp.where(ok, idx, a.shape[0])].set(v, mode="drop")
+
+
+def _leading(t: Tree, c: Consts, r, n):
+  """Pages of ``r``'s path among its first ``n`` that the tree holds."""
+  p, pv = _path(c, r)
+  j = jnp.arange(p.shape[0])
+  ok = (j < n) & (p >= 0) & t.cached[pv]
+  return _i32(jnp.argmin(jnp.concatenate([ok, jnp.zeros((1,), bool)])))
+
+
+def _walk(t: Tree, c: Consts, r, n, do=True):
+  """``_match_prefix_helper`` over ``r``'s first ``n`` pages (when ``do``):
+  every node walked gets a new time; a node the walk ends inside is split,
+  its upper part a new node with a later time. Returns (pages, tree).
+
+  Every read passes :func:`prefixjax._masked.barrier` before the writes,
+  one masked scatter per array, so XLA:CPU updates the arrays in place."""
+  do = jnp.asarray(do)
+  p, pv = _path(c, r)
+  V = t.cached.shape[0]
+  M = p.shape[0]
+  j = jnp.arange(M)
+  h = jnp.where(do, _leading(t, c, r, n), 0)
+  ns_path = t.nstart[pv]
+  x = jnp.where(h > 0, ns_path[jnp.maximum(h - 1, 0)], 0)
+  h, ns_path, x, nend_x, rep_x, lock_x, kids_x = barrier(
+    h, h, ns_path, x, t.nend[x], t.rep[x], t.lock[x], t.kids[x]
+  )
+  now = t.clock + 1
+  split = do & (h > 0) & (nend_x > h)
+  row = c.pages[rep_x]
+  low = row[jnp.minimum(h, M - 1)]
+  clock = now - 1 + do.astype(jnp.int32) + split.astype(jnp.int32)
+  start = do & (j < h) & (ns_path == pv) & ~(split & (pv == x))
+  ts_idx = jnp.concatenate([jnp.where(start, pv, V), jnp.stack([x, low])])
+  ts_val = jnp.concatenate(
+    [jnp.full((M,), now, jnp.int32), jnp.stack([clock, now])]
+  )
+  ts_ok = jnp.concatenate([start, jnp.stack([split, split])])
+  lower = split & (j >= h) & (j < nend_x)
+  two = jnp.stack([low, x])
+  t = t._replace(
+    nstart=t.nstart.at[jnp.where(lower, jnp.maximum(row, 0), V)].set(
+      low, mode="drop"
+    ),
+    ts=t.ts.at[jnp.where(ts_ok, ts_idx, V)].set(ts_val, mode="drop"),
+    lock=_put(t.lock, low, lock_x, split),
+    nend=t.nend.at[jnp.where(split, two, V)].set(
+      jnp.stack([nend_x, h]), mode="drop"
+    ),
+    rep=_put(t.rep, low, rep_x, split),
+    kids=t.kids.at[jnp.where(split, two, V)].set(
+      jnp.stack([kids_x, jnp.int32(1)]), mode="drop"
+    ),
+    clock=clock,
+  )
+  return h, t
+
+
+def _insert(t: Tree, c: Consts, r, n, do=True):
+  """``_insert_helper`` (when ``do``): (pages already there, tree); the rest
+  of ``r``'s first ``n`` pages become one new, unlocked leaf."""
+  do = jnp.asarray(do)
+  h, t = _walk(t, c, r, n, do)
+  p, pv = _path(c, r)
+  V = t.cached.shape[0]
+  j = jnp.arange(p.shape[0])
+  parent = jnp.where(h > 0, t.nstart[pv[jnp.maximum(h - 1, 0)]], 0)
+  parent, kids_parent = barrier(h, parent, t.kids[parent])
+  grow = do & (h < n)
+  new = grow & (j >= h) & (j < n)
+  first = pv[jnp.minimum(h, p.shape[0] - 1)]
+  clock = t.clock + grow.astype(jnp.int32)
+  idx = jnp.where(new, pv, V)
+  size = jnp.where(grow, n - h, 0)
+  two = jnp.stack([first, parent])
+  t = t._replace(
+    cached=t.cached.at[idx].set(True, mode="drop"),
+    nstart=t.nstart.at[idx].set(first, mode="drop"),
+    ts=_put(t.ts, first, clock, grow),
+    lock=_put(t.lock, first, 0, grow),
+    nend=_put(t.nend, first, n, grow),
+    rep=_put(t.rep, first, r, grow),
+    kids=t.kids.at[jnp.where(grow, two, V)].set(
+      jnp.stack([jnp.int32(0), kids_parent + 1]), mode="drop"
+    ),
+    evictable=t.evictable + size,
+    clock=clock,
+  )
+  return jnp.where(do, h, 0), t
+
+
+def _lock(t: Tree, c: Consts, r, n, delta):
+  """Adds ``delta`` to the lock count of every node on ``r``'s first ``n``
+  pages (SGLang's ``inc_lock_ref`` / ``dec_lock_ref`` of its last node)."""
+  p, pv = _path(c, r)
+  V = t.cached.shape[0]
+  j = jnp.arange(p.shape[0])
+  start = (j < n) & (t.nstart[pv] == pv)
+  before = t.lock[pv]
+  size = t.nend[pv] - c.depth[pv]
+  start, before, size = barrier(n, start, before, size)
+  flip = start & (before == (0 if delta > 0 else 1))
+  moved = jnp.sum(jnp.where(flip, size, 0), dtype=jnp.int32)
+  return t._replace(
+    lock=t.lock.at[jnp.where(start, pv, V)].add(delta, mode="drop"),
+    evictable=t.evictable - moved if delta > 0 else t.evictable + moved,
+  )
+
+
+def _locked_path_evictable(t: Tree, c: Consts, r, n):
+  """Evictable pages if ``r``'s first ``n`` pages were locked too."""
+  p, pv = _path(c, r)
+  j = jnp.arange(p.shape[0])
+  start = (j < n) & (t.nstart[pv] == pv) & (t.lock[pv] == 0)
+  size = t.nend[pv] - c.depth[pv]
+  return t.evictable - jnp.sum(jnp.where(start, size, 0), dtype=jnp.int32)
+
+
+def _evictable(t: Tree, K):
+  return K * t.evictable
+
+
+def _evict(t: Tree, c: Consts, K, need):
+  """``RadixCache.evict``: whole LRU unlocked leaves until ``need`` tokens."""
+  V = t.cached.shape[0]
+  v = jnp.arange(V)
+  M = c.pages.shape[1]
+  j = jnp.arange(M)
+
+  def cond(s):
+    t, ev, more = s
+    return (ev * K < need) & more
+
+  def body(s):
+    t, ev, _ = s
+    cand = t.cached & (t.nstart == v) & (v != 0) & (t.kids == 0) & (t.lock == 0)
+    x = _i32(jnp.argmin(jnp.where(cand, t.ts, _BIG)))
+    parent = t.nstart[c.parent[x]]
+    x, ok, rep_x, nend_x, parent, kids_parent = barrier(
+      x, x, cand[x], t.rep[x], t.nend[x], parent, t.kids[parent]
+    )
+    row = c.pages[rep_x]
+    mine = ok & (j >= c.depth[x]) & (j < nend_x)
+    cnt = jnp.where(ok, nend_x - c.depth[x], 0)
+    t = t._replace(
+      cached=t.cached.at[jnp.where(mine, jnp.maximum(row, 0), V)].set(
+        False, mode="drop"
+      ),
+      kids=_put(t.kids, parent, kids_parent - 1, ok),
+      evictable=t.evictable - cnt,
+      free=t.free + cnt,
+    )
+    return t, ev + cnt, ok
+
+  t, _, _ = jax.lax.while_loop(cond, body, (t, _i32(0), jnp.bool_(True)))
+  return t
+
+
+def _evict_for(t: Tree, c: Consts, K, demand):
+  """``evict_to_free_tokens``: evict the shortfall of ``demand`` tokens."""
+  return _evict(t, c, K, demand - t.free * K)
