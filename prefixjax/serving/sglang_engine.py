@@ -24,10 +24,13 @@ set of cached pages; a radix node is a run of pages, named by its first
 page (``nstart[v]``: the node holding page ``v``), whose last-access time
 and lock count live at that page. A request's lock is a root path of
 ``lock_len`` pages (SGLang locks a node and its ancestors; a split copies
-the count, so the locked nodes are those starting on that path). Tree
-verbs cost ``O(M)`` gathers plus ``O(V)`` dense passes (a split finds its
-node's pages, an eviction its leaf), which is simple and exact; the engine
-is for correctness first.
+the count, so the locked nodes are those starting on that path). The tree
+verbs (:mod:`prefixjax.serving.sglang_tree`) touch one request's path
+(``O(M)``), except that choosing the LRU leaf at an eviction scans every
+page (``O(V)``): on large traces with a full pool that scan is the cost of
+most decode steps. Branches are while loops of 0 or 1 trips (``lax.cond``
+copied pool-sized arrays), and the step buffers are written once per step,
+outside them.
 
 ``new_token_ratio`` is float32 here (SGLang: float64): an admission can
 differ where the reserved total is within float32 rounding of the free
