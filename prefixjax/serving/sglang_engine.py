@@ -119,7 +119,6 @@ class Reqs(NamedTuple):
   qpos: jax.Array
   rseq: jax.Array
   in_batch: jax.Array
-  ext: jax.Array
   matched: jax.Array
   slot: jax.Array  # lane in the current / last prefill batch
   kv: jax.Array  # KV tokens its row holds (after the step's writes)
@@ -380,7 +379,6 @@ def _prefill(s: State, c: Consts, cfg: Config):
       q = q._replace(
         extend_end=_set(q.extend_end, r, q.prefix[r] + new_len),
         in_batch=_set(q.in_batch, r, True),
-        ext=_set(q.ext, r, new_len),
         slot=_set(q.slot, r, b["nb"]),
         kv=_set(q.kv, r, q.prefix[r] + new_len),
       )
@@ -449,7 +447,6 @@ def _prefill(s: State, c: Consts, cfg: Config):
             hit=_set(q.hit, r, jnp.where(q.hit[r] < 0, plen, q.hit[r])),
             in_batch=_set(q.in_batch, r, True),
             waiting=_set(q.waiting, r, False),
-            ext=_set(q.ext, r, extend),
             slot=_set(q.slot, r, b["nb"]),
             kv=_set(q.kv, r, plen + extend),
             first_sched=_set(
@@ -746,7 +743,6 @@ def _merge(s: State, c: Consts, cfg: Config) -> State:
     running=running,
     rseq=rseq,
     in_batch=jnp.zeros_like(batch),
-    ext=jnp.zeros_like(q.ext),
   )
   S = s.cur["sched_rid"].shape[0]
   return s._replace(tree=t, q=q, full=full, seq=s.seq + S)
@@ -922,7 +918,7 @@ def init(c: Consts, cfg: Config) -> State:
   q = Reqs(
     n_out=z, prefix=z, extend_end=z, row=z, prot=z, lock_len=z, retr=z,
     hit=m1, first_tok=m1, finish=m1, arrived=f, waiting=f, running=f,
-    qpos=z, rseq=z, in_batch=f, ext=z, matched=z, slot=z, kv=z,
+    qpos=z, rseq=z, in_batch=f, matched=z, slot=z, kv=z,
     first_sched=m1, resume_hit=z, sched_steps=z, prefill_steps=z,
   )  # fmt: skip
   out = {}
