@@ -26,7 +26,6 @@ from prefixjax.serving import sglang_engine as eng
 from prefixjax.serving.config import ServingConfig
 from prefixjax.serving.engine_state import StepRecord
 from prefixjax.serving.results import SimResult
-from prefixjax.serving.simulate import _arrival_arrays, _request_tokens
 
 __all__ = ["simulate_sglang"]
 
@@ -46,23 +45,14 @@ class _Prepared:
 
 
 def _prepare(
-  records: list[Mapping[str, Any]],
   config: ServingConfig,
-  arrivals,
-  step_time_ms,
-  rate,
-  seed,
-  timer,
+  tokens,
+  arr,
 ) -> _Prepared:
-  k, mml = config.block_size, config.max_model_len
-  r = len(records)
-  prompts, outputs, prompt_len, max_tokens, rejected = _request_tokens(
-    records, mml
-  )
+  k = config.block_size
+  prompts, outputs, prompt_len, max_tokens, rejected = tokens
+  r = len(prompts)
   max_new = np.asarray([max(len(o), 1) for o in outputs], np.int32)
-  arr = _arrival_arrays(
-    records, arrivals, step_time_ms, rate, seed, timer is not None
-  )
   arrival = arr["arrival"]
   consts = eng.prepare(
     prompts,
@@ -103,26 +93,27 @@ def _prepare(
 
 
 def simulate_sglang(
-  records: list[Mapping[str, Any]],
   config: ServingConfig,
+  tokens,
+  arr: Mapping[str, Any],
   *,
-  arrivals="zero",
   step_time_ms=None,
-  rate=None,
-  seed=0,
   max_steps=None,
   timer=None,
   progress: bool = False,
 ) -> SimResult:
   """:func:`prefixjax.serving.simulate` with ``semantics="sglang"``.
 
-  ``records`` after :func:`prefixjax.serving.simulate.fan_out`; ``timer``
-  ``None`` (the steps clock) or a clock object (see :func:`simulate`);
-  ``progress``: a tqdm bar of finished requests on stderr.
+  ``tokens`` and ``arr`` are the host preparation :func:`simulate` shares
+  by both semantics (``simulate._request_tokens`` of the records after
+  ``fan_out``, ``simulate._arrival_arrays``); ``timer`` ``None`` (the steps
+  clock) or a clock object; ``progress``: a tqdm bar of finished requests
+  on stderr.
   """
   if config.semantics != "sglang":
     raise ValueError("simulate_sglang needs ServingConfig.semantics='sglang'")
-  prep = _prepare(records, config, arrivals, step_time_ms, rate, seed, timer)
+  prep = _prepare(config, tokens, arr)
+  num_requests = len(tokens[0])
   cfg = prep.cfg
   if max_steps is not None:
     cfg = cfg._replace(steps=int(max_steps))
@@ -132,7 +123,7 @@ def simulate_sglang(
 
     from prefixjax.serving import vllm_v1
 
-    bar = tqdm(total=len(records), unit="req", desc="simulate (sglang)")
+    bar = tqdm(total=num_requests, unit="req", desc="simulate (sglang)")
 
     def update(done, steps):
       bar.set_postfix_str(f"{steps:,} steps", refresh=False)
@@ -150,7 +141,7 @@ def simulate_sglang(
   finally:
     if bar is not None:
       vllm_v1.set_progress_sink(None)
-      bar.update(len(records) - bar.n)
+      bar.update(num_requests - bar.n)
       bar.close()
   return _collect(prep, config, final, step_time_ms, timer)
 

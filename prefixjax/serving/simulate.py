@@ -535,13 +535,15 @@ def _simulate_sglang(
   if step_time_ms is not None and not step_time_ms > 0:
     raise ValueError(f"step_time_ms={step_time_ms!r} must be > 0")
   timer = _clock(clock, model, hardware)
+  tokens = _request_tokens(records, config.max_model_len)
+  arr = _arrival_arrays(
+    records, arrivals, step_time_ms, rate, seed, timer is not None
+  )
   return simulate_sglang(
-    records,
     config,
-    arrivals=arrivals,
+    tokens,
+    arr,
     step_time_ms=step_time_ms,
-    rate=rate,
-    seed=seed,
     max_steps=max_steps,
     timer=timer,
     progress=progress,
