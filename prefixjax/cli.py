@@ -570,9 +570,10 @@ def _add_simulate(subparsers) -> None:
       "Serves a trace (or a generated workload) through vLLM 0.33's v1 "
       "scheduler loop (FCFS, priority, or the lpm / dfs / fair orders) on "
       "the on-device prefix cache, or with --semantics sglang through "
-      "SGLang 0.5.23's scheduler loop (fcfs, lpm) over its radix cache, one "
-      "jitted loop over engine steps, with a step-counting or a roofline "
-      "clock, and prints latency, hit-rate, block and throughput metrics."
+      "SGLang 0.5.23's scheduler loop (fcfs, lpm, dfs) over its radix "
+      "cache, one jitted loop over engine steps, with a step-counting or a "
+      "roofline clock, and prints latency, hit-rate, block and throughput "
+      "metrics."
     ),
   )
   src = p.add_mutually_exclusive_group()
@@ -585,7 +586,14 @@ def _add_simulate(subparsers) -> None:
   p.add_argument(
     "--format", default="auto", choices=("auto", "mooncake", "tokens", "csv")
   )
-  p.add_argument("--requests", type=_positive_int, default=200, metavar="N")
+  p.add_argument(
+    "--requests",
+    type=_positive_int,
+    default=None,
+    metavar="N",
+    help="requests of the generated workload (default 200), or the first N "
+    "of --trace (default: all of it)",
+  )
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--block-size", type=int, default=16, metavar="K")
   p.add_argument(
@@ -655,7 +663,7 @@ def _add_simulate(subparsers) -> None:
     choices=("vllm", "sglang"),
     help="vllm (default): vLLM 0.33's v1 scheduler and block pool; sglang: "
     "SGLang 0.5.23's scheduler loop over its paged radix cache (schedulers "
-    "fcfs, lpm; --max-num-seqs is its --max-running-requests, "
+    "fcfs, lpm, dfs; --max-num-seqs is its --max-running-requests, "
     "--max-num-batched-tokens its --chunked-prefill-size)",
   )
   p.add_argument(
@@ -777,10 +785,10 @@ def _cmd_simulate(args) -> int:
     trace = load_trace(args.trace, args.format, limit=args.requests)
   elif args.workload:
     trace = generate_workload(
-      args.workload, num_requests=args.requests, seed=args.seed
+      args.workload, num_requests=args.requests or 200, seed=args.seed
     )
   else:
-    trace = default_workload(num_requests=args.requests, seed=args.seed)
+    trace = default_workload(num_requests=args.requests or 200, seed=args.seed)
   result = serving.simulate(
     trace,
     config,

@@ -63,7 +63,7 @@ def test_json_and_jsonl_match_simulate_and_model(tmp_path, capsys):
     (["--block-size", "0"], "--block-size"),
     (["--max-num-seqs", "0"], "--max-num-seqs"),
     (["--scheduler", "lifo"], "--scheduler"),
-    (["--semantics", "sglang", "--scheduler", "dfs"], "--scheduler"),
+    (["--semantics", "sglang", "--scheduler", "fair"], "--scheduler"),
     (["--max-prefill-tokens", "100"], "--max-prefill-tokens"),
     (["--semantics", "sglang", "--num-blocks", "120"], "--num-blocks"),
     (["--arrivals", "trace"], "--step-time-ms"),
@@ -141,3 +141,24 @@ def test_sglang_semantics_from_the_command_line(tmp_path, capsys):
     (None, None) if r["rejected"] else (r["hit_tokens"], r["finish_step"])
     for r in reqs
   ]
+
+
+def test_a_trace_is_served_whole_unless_requests_says(tmp_path, capsys, rng):
+  """``--requests`` sizes a generated workload (default 200); a trace is
+  served whole by default (it used to be cut at 200, without a word)."""
+  n = 200 + int(rng.integers(1, 6))
+  path = tmp_path / "t.jsonl"
+  with path.open("w") as f:
+    for _ in range(n):
+      rec = dict(
+        input_tok_ids=rng.integers(1, 50, int(rng.integers(2, 9))).tolist(),
+        output_toks=int(rng.integers(1, 3)),
+        arrival_time_ns=0,
+      )
+      f.write(json.dumps(rec) + "\n")
+  out = tmp_path / "m.json"
+  argv = ["simulate", "--trace", str(path), "--num-blocks", "64"]
+  argv += ["--max-model-len", "64", "--no-compile-cache", "--json", str(out)]
+  assert main(argv) == 0
+  capsys.readouterr()
+  assert json.loads(out.read_text())["requests"] == n

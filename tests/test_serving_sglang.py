@@ -130,6 +130,8 @@ CASES = [
   (30, 4, 16, 0, 128, 100, "fcfs", False),  # no chunking, spread arrivals
   (40, 2, 6, 16, 64, 70, "lpm", True),
   (80, 1, 8, 24, 48, 70, "lpm", False),  # page size 1: token granular
+  (40, 2, 6, 16, 64, 70, "dfs", True),  # dfs-weight
+  (30, 4, 16, 0, 128, 100, "dfs", False),
 ]
 
 
@@ -213,7 +215,7 @@ def test_timed_clock_keeps_the_decisions_and_metrics_read_the_run(rng):
 @pytest.mark.parametrize(
   ("kwargs", "needle"),
   [
-    (dict(scheduler="dfs"), "models SGLang's schedule policies"),
+    (dict(scheduler="fair"), "models SGLang's schedule policies"),
     (dict(num_gpu_blocks=20), r"max_model_len \+ block_size"),
     (dict(max_num_batched_tokens=2), ">= block_size=4"),
     (dict(parallel_sampling="fork"), "needs semantics='vllm'"),

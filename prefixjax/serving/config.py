@@ -31,7 +31,7 @@ def _int_field(name: str, value) -> int:
 PARALLEL_SAMPLING = ("fan_out", "fork")
 SEMANTICS = ("vllm", "sglang")
 """Whose scheduler loop the simulator runs (:class:`ServingConfig`)."""
-SGLANG_POLICIES = ("fcfs", "lpm")
+SGLANG_POLICIES = ("fcfs", "lpm", "dfs")
 """The schedulers of ``semantics="sglang"`` (SGLang's ``--schedule-policy``
 values this project models)."""
 
@@ -73,7 +73,8 @@ class ServingConfig:
       ``--max-running-requests``, ``max_num_batched_tokens`` is
       ``--chunked-prefill-size`` (with ``chunked_prefill``; without it no
       chunking), ``max_model_len`` is ``--context-length``, ``scheduler`` is
-      ``--schedule-policy`` (``"fcfs"`` or ``"lpm"``).
+      ``--schedule-policy`` (``"fcfs"``, ``"lpm"`` or ``"dfs"``, SGLang's
+      ``dfs-weight``).
     max_prefill_tokens: SGLang's ``--max-prefill-tokens`` (default 16384,
       ``server_args.py``): prefill tokens of one batch; ``"sglang"`` only.
     waiting_prefix_refresh: SGLang's ``SGLANG_ENABLE_WAITING_PREFIX_REFRESH``

@@ -13,8 +13,10 @@ prompt published after its prefill (``checkpoint``) and the whole sequence
 at finish; decode-time eviction and retraction (fewest outputs first, the
 request re-prefills prompt + outputs later) with ``new_token_ratio``'s
 retraction estimate and decay; ``fcfs`` (with the waiting-prefix refresh of
-every 32nd ``calc_priority``) and ``lpm`` (with in-batch prefix
-deprioritisation, FCFS over 128 waiting).
+every 32nd ``calc_priority``), ``lpm`` (with in-batch prefix
+deprioritisation, FCFS over 128 waiting) and ``dfs`` (``dfs-weight``: every
+waiting request matched, the queue in DFS order of the tree weighted by
+waiting requests, :func:`prefixjax.serving.sglang_tree.dfs_order_key`).
 
 Data structures (``V`` pages, page 0 the root; ``R`` requests; ``M`` most
 pages of one request; ``S`` = ``max_running_requests``): pages are trie nodes
@@ -57,6 +59,7 @@ from prefixjax.serving.sglang_tree import (
   _lock,
   _locked_path_evictable,
   _walk,
+  dfs_order_key,
   prepare,
 )
 
@@ -96,7 +99,7 @@ class Config(NamedTuple):
   max_running: int
   chunk: int  # chunked_prefill_size; 0: no chunking
   max_prefill: int
-  policy: str  # "fcfs" | "lpm"
+  policy: str  # "fcfs" | "lpm" | "dfs"
   refresh: bool  # SGLANG_ENABLE_WAITING_PREFIX_REFRESH
   steps: int  # step-buffer rows T
 
@@ -296,7 +299,37 @@ def _calc_priority(s: State, c: Consts, cfg: Config) -> State:
 
   if cfg.policy == "lpm":
     return _cond(use_lpm, lpm, fcfs, s)
+  if cfg.policy == "dfs":
+    return _dfs(s, c, cfg)
   return fcfs(s)
+
+
+def _dfs(s: State, c: Consts, cfg: Config) -> State:
+  """``CacheAwarePolicy.DFS_WEIGHT``: every waiting request is matched in
+  queue order (however many wait: only LPM and HRRN fall back to FCFS over
+  128), then the queue takes :func:`dfs_order_key`'s order; no
+  waiting-prefix refresh (a cache-aware policy)."""
+  K = cfg.page_size
+  q = s.q
+  R = q.waiting.shape[0]
+  fill = c.prompt + q.n_out
+
+  def match_one(x, r):
+    t, node = x
+    h, t = _walk(t, c, r, fill[r] // K)
+    last = jnp.where(h > 0, c.pages[r, jnp.maximum(h - 1, 0)], 0)
+    return t, node.at[r].set(last)
+
+  t, node = _in_order(
+    q.waiting, q.qpos, match_one, (s.tree, jnp.zeros((R,), jnp.int32)), R
+  )
+  key = jnp.where(q.waiting, dfs_order_key(t, c, q.waiting, node), _BIG)
+  order = jnp.lexsort((q.qpos, key))
+  rank = (
+    jnp.zeros((R,), jnp.int32).at[order].set(jnp.arange(R, dtype=jnp.int32))
+  )
+  q = q._replace(qpos=jnp.where(q.waiting, rank, q.qpos))
+  return s._replace(tree=t, q=q)
 
 
 def _record(cur, i, rid, tok, kind, ctx):
@@ -910,6 +943,7 @@ def init(c: Consts, cfg: Config) -> State:
     nend=jnp.zeros((V,), jnp.int32),
     rep=jnp.zeros((V,), jnp.int32),
     kids=jnp.zeros((V,), jnp.int32),
+    born=jnp.zeros((V,), jnp.int32),
     evictable=_i32(0),
     clock=_i32(0),
     free=_i32(cfg.num_pages),

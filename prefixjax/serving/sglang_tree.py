@@ -38,6 +38,8 @@ class Consts(NamedTuple):
   g32: jax.Array  # [R] int32 group of the first 32 tokens, -1 if shorter
   arr_ms: jax.Array  # [R] int32 arrival ms (a timed clock)
   arr_frac: jax.Array  # [R] float32 its fraction
+  tin: jax.Array  # [V] int32 pre-order number of the page in the whole trie
+  tout: jax.Array  # [V] int32 the last pre-order number of its subtree
 
 
 def prepare(
@@ -97,6 +99,7 @@ def prepare(
   arrival = np.where(
     np.asarray(rejected, bool), _BIG, np.asarray(arrival_steps, np.int64)
   ).astype(np.int32)
+  tin, tout = _euler(np.asarray(parent, np.int64))
   key = arrival if sort_by is None else np.asarray(sort_by)
   order = np.lexsort((np.arange(R), key))
   rank = np.empty((R,), np.int32)
@@ -117,7 +120,27 @@ def prepare(
       np.zeros((R,), np.float32) if arrival_frac is None else arrival_frac,
       jnp.float32,
     ),
+    tin=jnp.asarray(tin),
+    tout=jnp.asarray(tout),
   )
+
+
+def _euler(parent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Pre-order numbers of a trie whose parents have smaller ids than their
+  children (page 0 the root): ``(tin, tout)``, a page's subtree is
+  ``tin[v] .. tout[v]``."""
+  v_len = parent.shape[0]
+  size = np.ones((v_len,), np.int64)
+  for v in range(v_len - 1, 0, -1):
+    size[parent[v]] += size[v]
+  tin = np.zeros((v_len,), np.int64)
+  nxt = np.ones((v_len,), np.int64)  # the next number under each page
+  for v in range(1, v_len):
+    p = parent[v]
+    tin[v] = nxt[p]
+    nxt[p] += size[v]
+    nxt[v] = tin[v] + 1
+  return tin.astype(np.int32), (tin + size - 1).astype(np.int32)
 
 
 # ----------------------------------------------------------------- the tree
@@ -125,7 +148,10 @@ class Tree(NamedTuple):
   """The radix tree and the page pool. Node fields live at a node's first
   page: ``ts`` last access, ``lock`` lock count, ``nend`` the depth its
   pages end at (exclusive), ``rep`` a request whose path holds all its
-  pages, ``kids`` its child nodes."""
+  pages, ``kids`` its child nodes. ``born`` (every page) orders a node's
+  children as SGLang's ``children`` dict does, by insertion: a split puts
+  the upper part in the lower part's place, so a child's place is the time
+  its first page was inserted."""
 
   cached: jax.Array  # [V] bool
   nstart: jax.Array  # [V] int32 first page of the node holding each page
@@ -134,6 +160,7 @@ class Tree(NamedTuple):
   nend: jax.Array  # [V] int32
   rep: jax.Array  # [V] int32
   kids: jax.Array  # [V] int32
+  born: jax.Array  # [V] int32 the time each cached page joined the tree
   evictable: jax.Array  # pages in unlocked nodes
   clock: jax.Array
   free: jax.Array  # free pages
@@ -231,6 +258,7 @@ def _insert(t: Tree, c: Consts, r, n, do=True):
   t = t._replace(
     cached=t.cached.at[idx].set(True, mode="drop"),
     nstart=t.nstart.at[idx].set(first, mode="drop"),
+    born=t.born.at[idx].set(clock, mode="drop"),
     ts=_put(t.ts, first, clock, grow),
     lock=_put(t.lock, first, 0, grow),
     nend=_put(t.nend, first, n, grow),
@@ -314,3 +342,43 @@ def _evict(t: Tree, c: Consts, K, need):
 def _evict_for(t: Tree, c: Consts, K, demand):
   """``evict_to_free_tokens``: evict the shortfall of ``demand`` tokens."""
   return _evict(t, c, K, demand - t.free * K)
+
+
+def dfs_order_key(t: Tree, c: Consts, waiting, node):
+  """``mem_cache/base_prefix_cache.py _dfs_weight_order`` (SGLang 0.5.23)
+  as a sort key: the position of each waiting request (``waiting [R]``,
+  its match ending at page ``node [R]``, 0 the root) in the DFS-weight
+  order, before ties (requests ending at the same page keep queue order).
+
+  A page's weight ``w`` is the waiting requests ending in its subtree
+  (prefix sums over the static pre-order ``tin``); a node's children go by
+  decreasing weight, ties by ``born``; the requests ending at a node come
+  after its whole subtree. So a subtree takes the positions ``start ..
+  start + w`` with ``start(v) = start(parent) + w`` of the siblings before
+  ``v``; its own requests the last of them. Pages inside a node have one
+  cached child and uncached pages weigh 0, so working on pages gives the
+  nodes' order. ``O(V log V)`` (one sort of the pages).
+  """
+  v_len = c.parent.shape[0]
+  m = c.pages.shape[1]
+  node = jnp.where(waiting, node, 0)
+  own = (
+    jnp.zeros((v_len,), jnp.int32)
+    .at[jnp.where(waiting, node, v_len)]
+    .add(1, mode="drop")
+  )
+  csum = jnp.cumsum(jnp.zeros((v_len,), jnp.int32).at[c.tin].set(own))
+  w = csum[c.tout] - jnp.where(c.tin > 0, csum[jnp.maximum(c.tin - 1, 0)], 0)
+  par = c.parent.at[0].set(-1)
+  order = jnp.lexsort((jnp.arange(v_len), t.born, -w, par))
+  ws, ps = w[order], par[order]
+  before = jnp.cumsum(ws) - ws
+  head = jnp.concatenate([jnp.ones((1,), bool), ps[1:] != ps[:-1]])
+  first = jax.lax.cummax(jnp.where(head, jnp.arange(v_len), 0))
+  gap = jnp.zeros((v_len,), jnp.int32).at[order].set(before - before[first])
+  gap = gap.at[0].set(0)
+  start, up = gap, c.parent
+  for _ in range(max(m, 1).bit_length()):  # 2^rounds > the deepest page
+    start = start + start[up]
+    up = up[up]
+  return start[node] + w[node] - own[node]

@@ -4,11 +4,12 @@ The normal (non-overlap) event loop of ``srt/managers/scheduler.py``
 (``Scheduler.event_loop_normal``) over a paged ``RadixCache`` with LRU
 eviction (the tree verbs are :class:`SglangRadixCache`'s, checked against
 the real cache, see :mod:`tests.reference_models.sglang_radix`), with the
-``fcfs`` or ``lpm`` schedule policy, chunked prefill, no mixed chunks (SGLang's
-default ``enable_mixed_chunk=False``), no priority scheduling, one data-
-parallel rank. Requests are not ``ignore_eos`` (the scheduler does not know
-an output stops at ``max_new_tokens`` before it does, so the
-``new_token_ratio`` estimate applies); each stops at its ``max_new_tokens``
+``fcfs``, ``lpm`` or ``dfs-weight`` (``"dfs"``) schedule policy, chunked
+prefill, no mixed chunks (SGLang's default ``enable_mixed_chunk=False``),
+no priority scheduling, one data-parallel rank. Requests are not
+``ignore_eos`` (the scheduler does not know an output stops at
+``max_new_tokens`` before it does, so the ``new_token_ratio`` estimate
+applies); each stops at its ``max_new_tokens``
 (the trace's output length). Paths are in the 0.5.23 wheel's ``sglang/srt/``.
 
 One loop iteration is one engine step; the step runs either a prefill batch
@@ -35,8 +36,10 @@ if possible"). Step ``s``:
    whose match is at most 32 tokens and which shares at least 32 tokens with
    an earlier low-match request of the queue (the simulated waiting-queue
    tree, token granular) goes last; more than 128 waiting: FCFS order, no
-   matching). A ``PrefillAdder`` (``schedule_policy.py``, budgets from
-   ``mem_cache/prefill_budget.py PrefillBudget``) then admits:
+   matching; ``dfs``: every waiting request is matched, however many wait,
+   and the queue is put in :func:`dfs_weight_order`). A ``PrefillAdder``
+   (``schedule_policy.py``, budgets from ``mem_cache/prefill_budget.py
+   PrefillBudget``) then admits:
 
    * ``rem_total = available + evictable - total_offset`` and ``rem_current
      = available + evictable - current_offset`` (tokens; ``evictable`` is
@@ -131,7 +134,7 @@ WAITING_QUEUE_PREFIX_MATCH_MAX = 128  # schedule_policy.py
 WAITING_PREFIX_REFRESH_INTERVAL = 32  # schedule_policy.py
 IN_BATCH_CHECK = 32  # IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD
 IN_BATCH_DEPRIORITIZE = 32  # IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD
-POLICIES = ("fcfs", "lpm")
+POLICIES = ("fcfs", "lpm", "dfs")  # "dfs": --schedule-policy dfs-weight
 
 
 class OutOfMemory(RuntimeError):
@@ -285,6 +288,15 @@ class SglangScheduler:
       q.sort(
         key=lambda r: float("inf") if r.rid in deprioritized else -r.num_matched
       )
+      return
+    if self.policy == "dfs":
+      # CacheAwarePolicy.DFS_WEIGHT: every waiting request is matched (no
+      # 128 cap, _determine_active_policy caps LPM and HRRN only), then
+      # _sort_by_dfs_weight; cache-aware, so no waiting-prefix refresh
+      for r in q:
+        r.prefix_len, r.last_node = self._match(r, capped=False)
+      order = dfs_weight_order(self.tree.root, [r.last_node for r in q])
+      q[:] = [q[i] for i in order]
       return
     # fcfs (and lpm over 128 waiting): queue order; _touch_waiting_prefixes
     # counts its calls with a non-empty queue and refreshes every 32nd
@@ -593,6 +605,43 @@ class SglangScheduler:
     if req.extend_end > req.prefix_len:
       self._checkpoint(req, req.extend_end)
       req.prefix_len = req.extend_end
+
+
+def dfs_weight_order(root, last_nodes: Sequence[Any]) -> list[int]:
+  """Waiting-queue indices in SGLang's DFS-weight order.
+
+  ``mem_cache/base_prefix_cache.py _dfs_weight_order`` (0.5.23): a node's
+  weight is the number of waiting requests whose match ends in its
+  subtree; a depth-first walk from the root visits each node's children
+  by decreasing weight (ties in the children dict's order: a node's
+  children by the time their first page joined it) and lists the
+  requests ending at a node after its whole subtree, in queue order.
+  """
+  own: dict[int, list[int]] = {}
+  for i, node in enumerate(last_nodes):
+    own.setdefault(id(node), []).append(i)
+  # parents before children, then weights bottom-up
+  nodes, todo = [], [root]
+  while todo:
+    node = todo.pop()
+    nodes.append(node)
+    todo.extend(node.children.values())
+  weight: dict[int, int] = {}
+  for node in reversed(nodes):
+    weight[id(node)] = len(own.get(id(node), ())) + sum(
+      weight[id(ch)] for ch in node.children.values()
+    )
+  order: list[int] = []
+  todo = [(root, False)]  # (node, its subtree already listed)
+  while todo:
+    node, done = todo.pop()
+    if done:
+      order.extend(own.get(id(node), ()))
+      continue
+    todo.append((node, True))
+    kids = sorted(node.children.values(), key=lambda ch: -weight[id(ch)])
+    todo.extend((ch, False) for ch in reversed(kids))
+  return order
 
 
 def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
