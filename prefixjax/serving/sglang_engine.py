@@ -208,20 +208,29 @@ def _cond(pred, f, g, x):
   return _when(~pred, g, _when(pred, f, x))
 
 
-def _smallest(mask, key, k: int):
+def _smallest(mask, key, k: int, few: bool = False):
   """The (at most ``k``) requests in ``mask`` with the smallest ``key``
   (unique among them), in increasing order, and how many there are:
-  ``jax.lax.top_k``, ``O(R log k)`` rather than a sort of all ``R``."""
-  k = min(k, mask.shape[0])
-  _, idx = jax.lax.top_k(jnp.where(mask, -key, -_BIG), k)
+  ``jax.lax.top_k``. ``few``: ``mask`` holds at most ``k`` requests (the
+  running ones, a batch), so they are gathered first (``jnp.nonzero``,
+  ``O(R)``) and only those ``k`` sorted: on XLA:CPU ``top_k`` sorts its
+  whole input, ``O(R log R)`` every step."""
+  r_len = mask.shape[0]
+  k = min(k, r_len)
   n = jnp.minimum(jnp.sum(mask, dtype=jnp.int32), k)
+  if few and k < r_len:
+    (idx,) = jnp.nonzero(mask, size=k, fill_value=0)
+    lanes = jnp.arange(k) < n
+    _, pos = jax.lax.top_k(jnp.where(lanes, -key[idx], -_BIG), k)
+    return _i32(idx[pos]), n
+  _, idx = jax.lax.top_k(jnp.where(mask, -key, -_BIG), k)
   return _i32(idx), n
 
 
-def _in_order(mask, key, fn, carry, k: int):
+def _in_order(mask, key, fn, carry, k: int, few: bool = False):
   """``fn(carry, r)`` for every ``r`` in ``mask`` (at most ``k`` of them),
-  by increasing ``key``."""
-  rids, n = _smallest(mask, key, k)
+  by increasing ``key`` (``few``: see :func:`_smallest`)."""
+  rids, n = _smallest(mask, key, k, few)
 
   def body(s):
     carry, i = s
@@ -581,7 +590,7 @@ def _finish_prefill(s: State, c: Consts, cfg: Config) -> State:
     prefill_steps=q.prefill_steps + q.in_batch.astype(jnp.int32),
   )
   S = s.cur["sched_rid"].shape[0]
-  t, q, cur = _in_order(q.in_batch, q.slot, one, (s.tree, q, s.cur), S)
+  t, q, cur = _in_order(q.in_batch, q.slot, one, (s.tree, q, s.cur), S, True)
   return s._replace(tree=t, q=q, cur=cur)
 
 
@@ -695,7 +704,7 @@ def _decode(s: State, c: Consts, cfg: Config) -> State:
   )
   # the batch in running order
   S = cur["sched_rid"].shape[0]
-  order, _ = _smallest(q.running, q.rseq, S)
+  order, _ = _smallest(q.running, q.rseq, S, True)
   lanes = jnp.arange(S) < nrun
   cur = dict(
     cur,
@@ -715,7 +724,7 @@ def _decode(s: State, c: Consts, cfg: Config) -> State:
     t, q = _release(t, q, c, K, r)
     return t, q, _finished(cur, r)
 
-  t, q, cur = _in_order(done, q.rseq, fin, (t, q, cur), S)
+  t, q, cur = _in_order(done, q.rseq, fin, (t, q, cur), S, True)
   return s._replace(
     tree=t, q=q, ratio=ratio, status=status, cur=cur, qnext=qnext, full=full
   )
