@@ -781,14 +781,13 @@ def _cmd_simulate(args) -> int:
     load_trace,
   )
 
+  n = args.requests or 200  # a generated workload's size
   if args.trace:
     trace = load_trace(args.trace, args.format, limit=args.requests)
   elif args.workload:
-    trace = generate_workload(
-      args.workload, num_requests=args.requests or 200, seed=args.seed
-    )
+    trace = generate_workload(args.workload, num_requests=n, seed=args.seed)
   else:
-    trace = default_workload(num_requests=args.requests or 200, seed=args.seed)
+    trace = default_workload(num_requests=n, seed=args.seed)
   result = serving.simulate(
     trace,
     config,

@@ -269,13 +269,7 @@ def _calc_priority(s: State, c: Consts, cfg: Config) -> State:
       R = q.waiting.shape[0]
       x = (t, q, jnp.zeros((G,), bool), jnp.zeros((R,), bool))
       t, q, _, dep = _in_order(q.waiting, q.qpos, match_one, x, MATCH_MAX)
-      key = jnp.where(dep, _BIG - 1, -q.matched)
-      key = jnp.where(q.waiting, key, _BIG)
-      order = jnp.lexsort((q.qpos, key))
-      rank = (
-        jnp.zeros((R,), jnp.int32).at[order].set(jnp.arange(R, dtype=jnp.int32))
-      )
-      q = q._replace(qpos=jnp.where(q.waiting, rank, q.qpos))
+      q = _requeue(q, jnp.where(dep, _BIG - 1, -q.matched))
       return s._replace(tree=t, q=q)
 
     use_lpm = nwait <= MATCH_MAX
@@ -332,13 +326,22 @@ def _dfs(s: State, c: Consts, cfg: Config) -> State:
   t, node = _in_order(
     q.waiting, q.qpos, match_one, (s.tree, jnp.zeros((R,), jnp.int32)), R
   )
-  key = jnp.where(q.waiting, dfs_order_key(t, c, q.waiting, node), _BIG)
-  order = jnp.lexsort((q.qpos, key))
-  rank = (
-    jnp.zeros((R,), jnp.int32).at[order].set(jnp.arange(R, dtype=jnp.int32))
-  )
-  q = q._replace(qpos=jnp.where(q.waiting, rank, q.qpos))
+  q = _requeue(q, dfs_order_key(t, c, q.waiting, node))
   return s._replace(tree=t, q=q)
+
+
+def _requeue(q: Reqs, key) -> Reqs:
+  """The waiting queue sorted by ``key`` (stable: ties keep queue order),
+  as ``waiting_queue.sort(key=...)``: each waiting request's ``qpos``
+  becomes its rank."""
+  r_len = q.waiting.shape[0]
+  order = jnp.lexsort((q.qpos, jnp.where(q.waiting, key, _BIG)))
+  rank = (
+    jnp.zeros((r_len,), jnp.int32)
+    .at[order]
+    .set(jnp.arange(r_len, dtype=jnp.int32))
+  )
+  return q._replace(qpos=jnp.where(q.waiting, rank, q.qpos))
 
 
 def _record(cur, i, rid, tok, kind, ctx):
