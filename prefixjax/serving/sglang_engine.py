@@ -52,15 +52,15 @@ from prefixjax.serving.sglang_tree import (
   IN_BATCH,
   Consts,
   Tree,
-  _evict_for,
-  _evictable,
-  _i32,
-  _insert,
-  _lock,
-  _locked_path_evictable,
-  _walk,
   dfs_order_key,
+  evict_for,
+  evictable_tokens,
+  i32,
+  insert,
+  lock_path,
+  locked_path_evictable,
   prepare,
+  walk,
 )
 
 __all__ = [
@@ -158,14 +158,14 @@ def _set(a, r, v):
 def _checkpoint(t: Tree, q: Reqs, c: Consts, K, r, up_to):
   """``RadixCache.checkpoint(req, up_to)``."""
   n = up_to // K
-  h, t = _insert(t, c, r, n)
+  h, t = insert(t, c, r, n)
   dup = h - q.prot[r]
   t = t._replace(private=t.private - dup - (n - h), free=t.free + dup)
   pp = c.prompt[r] // K
-  _, t = _insert(t, c, r, pp, (pp > 0) & (pp < n))
-  _, t = _walk(t, c, r, n)
-  t = _lock(t, c, r, q.lock_len[r], -1)
-  t = _lock(t, c, r, n, 1)
+  _, t = insert(t, c, r, pp, (pp > 0) & (pp < n))
+  _, t = walk(t, c, r, n)
+  t = lock_path(t, c, r, q.lock_len[r], -1)
+  t = lock_path(t, c, r, n, 1)
   q = q._replace(lock_len=_set(q.lock_len, r, n), prot=_set(q.prot, r, n))
   return t, q
 
@@ -173,8 +173,8 @@ def _checkpoint(t: Tree, q: Reqs, c: Consts, K, r, up_to):
 def _free_row(t: Tree, q: Reqs, c: Consts, r):
   private = q.row[r] - q.prot[r]
   t = t._replace(private=t.private - private, free=t.free + private)
-  t = _lock(t, c, r, q.lock_len[r], -1)
-  zero = _i32(0)
+  t = lock_path(t, c, r, q.lock_len[r], -1)
+  zero = i32(0)
   q = q._replace(
     lock_len=_set(q.lock_len, r, zero),
     row=_set(q.row, r, zero),
@@ -199,7 +199,7 @@ def _when(pred, fn, x):
   def body(s):
     return s[0] + 1, fn(s[1])
 
-  return jax.lax.while_loop(lambda s: s[0] < go, body, (_i32(0), x))[1]
+  return jax.lax.while_loop(lambda s: s[0] < go, body, (i32(0), x))[1]
 
 
 def _cond(pred, f, g, x):
@@ -222,9 +222,9 @@ def _smallest(mask, key, k: int, few: bool = False):
     (idx,) = jnp.nonzero(mask, size=k, fill_value=0)
     lanes = jnp.arange(k) < n
     _, pos = jax.lax.top_k(jnp.where(lanes, -key[idx], -_BIG), k)
-    return _i32(idx[pos]), n
+    return i32(idx[pos]), n
   _, idx = jax.lax.top_k(jnp.where(mask, -key, -_BIG), k)
-  return _i32(idx), n
+  return i32(idx), n
 
 
 def _in_order(mask, key, fn, carry, k: int, few: bool = False):
@@ -236,7 +236,7 @@ def _in_order(mask, key, fn, carry, k: int, few: bool = False):
     carry, i = s
     return fn(carry, rids[i]), i + 1
 
-  carry, _ = jax.lax.while_loop(lambda s: s[1] < n, body, (carry, _i32(0)))
+  carry, _ = jax.lax.while_loop(lambda s: s[1] < n, body, (carry, i32(0)))
   return carry
 
 
@@ -251,7 +251,7 @@ def _calc_priority(s: State, c: Consts, cfg: Config) -> State:
 
     def match_one(x, r):
       t, q, seen, dep = x
-      h, t = _walk(t, c, r, fill[r] // K)
+      h, t = walk(t, c, r, fill[r] // K)
       plen = h * K
       q = q._replace(matched=_set(q.matched, r, jnp.minimum(plen, fill[r] - 1)))
       g = c.g32[r]
@@ -292,7 +292,7 @@ def _calc_priority(s: State, c: Consts, cfg: Config) -> State:
       def body(i, t):
         k = cnt - 1 - i
         r = order[jnp.maximum(k, 0)]
-        return _walk(t, c, r, fill[r] // K, k >= 0)[1]
+        return walk(t, c, r, fill[r] // K, k >= 0)[1]
 
       t = jax.lax.fori_loop(0, W, body, t)
       return s._replace(tree=t)
@@ -319,7 +319,7 @@ def _dfs(s: State, c: Consts, cfg: Config) -> State:
 
   def match_one(x, r):
     t, node = x
-    h, t = _walk(t, c, r, fill[r] // K)
+    h, t = walk(t, c, r, fill[r] // K)
     last = jnp.where(h > 0, c.pages[r, jnp.maximum(h - 1, 0)], 0)
     return t, node.at[r].set(last)
 
@@ -378,16 +378,16 @@ def _prefill(s: State, c: Consts, cfg: Config):
     chunk = cfg.chunk if cfg.chunk else _BIG // 2
     b = dict(
       total_off=total_off,
-      cur_off=_i32(0),
-      rem_input=_i32(cfg.max_prefill),
-      rem_chunk=_i32(chunk),
-      nb=_i32(0),
-      ext_sum=_i32(0),
+      cur_off=i32(0),
+      rem_input=i32(cfg.max_prefill),
+      rem_chunk=i32(chunk),
+      nb=i32(0),
+      ext_sum=i32(0),
     )
     out = s.cur
 
     def avail_ev(t):
-      return t.free * K + _evictable(t, K)
+      return t.free * K + evictable_tokens(t, K)
 
     def reserve(b, extend, max_new):
       ext = -(-extend // K) * K
@@ -459,12 +459,12 @@ def _prefill(s: State, c: Consts, cfg: Config):
       def try_one(x):
         t, q, b, out, chunked, full, err = x
         fill = c.prompt[r] + q.n_out[r]
-        h, t = _walk(t, c, r, (fill - 1) // K)
+        h, t = walk(t, c, r, (fill - 1) // K)
         plen = h * K
         max_new = jnp.clip(c.max_new[r] - q.n_out[r], 0, CLIP_MAX_NEW_TOKENS)
         extend = fill - plen
         total = extend + max_new + K
-        ae = t.free * K + K * _locked_path_evictable(t, c, r, h)
+        ae = t.free * K + K * locked_path_evictable(t, c, r, h)
         ok = total.astype(jnp.float32) + b["total_off"] < ae.astype(jnp.float32)
         ext_tok = -(-extend // K) * K
         reserved_new = jnp.minimum(c.max_new[r], CLIP_MAX_NEW_TOKENS)
@@ -482,7 +482,7 @@ def _prefill(s: State, c: Consts, cfg: Config):
 
         def do_admit(x):
           t, q, b, out, chunked, full = x
-          t = _lock(t, c, r, h, 1)
+          t = lock_path(t, c, r, h, 1)
           q = q._replace(
             lock_len=_set(q.lock_len, r, h),
             row=_set(q.row, r, h),
@@ -529,12 +529,12 @@ def _prefill(s: State, c: Consts, cfg: Config):
       )
       return t, q, b, out, chunked, full, err, i + 1, more
 
-    x = (t, q, b, out, chunked, s.full, jnp.bool_(False), _i32(0), True)
+    x = (t, q, b, out, chunked, s.full, jnp.bool_(False), i32(0), True)
     t, q, b, out, chunked, full, err, _, _ = jax.lax.while_loop(cond, body, x)
     # prepare_for_extend
     nb = b["nb"]
     demand = b["ext_sum"] + (nb * K if K > 1 else 0)
-    t = _evict_for(t, c, K, jnp.where(nb > 0, demand, 0))
+    t = evict_for(t, c, K, jnp.where(nb > 0, demand, 0))
     need = jnp.where(q.in_batch, -(-q.extend_end // K) - (-(-q.prefix // K)), 0)
     total_need = jnp.sum(need, dtype=jnp.int32)
     oom = total_need > t.free
@@ -550,7 +550,7 @@ def _prefill(s: State, c: Consts, cfg: Config):
     )
     return s, nb
 
-  return _when(go, lambda y: attempt(y[0]), (s, _i32(0)))
+  return _when(go, lambda y: attempt(y[0]), (s, i32(0)))
 
 
 def _finish_prefill(s: State, c: Consts, cfg: Config) -> State:
@@ -618,7 +618,7 @@ def _decode(s: State, c: Consts, cfg: Config) -> State:
 
   def fits(t, kept):
     need = need_of(kept)
-    t = _evict_for(t, c, K, need)
+    t = evict_for(t, c, K, need)
     return t, t.free * K >= need
 
   t, ok = fits(t, q.running)
@@ -639,13 +639,13 @@ def _decode(s: State, c: Consts, cfg: Config) -> State:
       m1 = kept & (q.n_out == jnp.min(k1))
       k2 = jnp.where(m1, c.prompt, -1)
       m2 = m1 & (c.prompt == jnp.max(k2))
-      v = _i32(jnp.argmax(jnp.where(m2, q.rseq, -1)))
+      v = i32(jnp.argmax(jnp.where(m2, q.rseq, -1)))
 
       def do(z):
         t, q, kept, qnext, cur = z
         t, q = _free_row(t, q, c, v)
         kept = kept.at[v].set(False)
-        t = _evict_for(t, c, K, (nk - 1) * RETRACT_DECODE_STEPS)
+        t = evict_for(t, c, K, (nk - 1) * RETRACT_DECODE_STEPS)
         q = q._replace(
           prefix=_set(q.prefix, v, 0),
           kv=_set(q.kv, v, 0),
@@ -694,7 +694,7 @@ def _decode(s: State, c: Consts, cfg: Config) -> State:
   full = jnp.where(nret > 0, False, s.full)
   # prepare_for_decode
   nrun = jnp.sum(q.running, dtype=jnp.int32)
-  t = _evict_for(t, c, K, nrun * K)
+  t = evict_for(t, c, K, nrun * K)
   page = q.running & (committed % K == 0)
   newp = jnp.sum(page, dtype=jnp.int32)
   status = status | jnp.where(newp > t.free, Status.OUT_OF_MEMORY, 0)
@@ -737,7 +737,7 @@ def _sched_frag(cur, t: Tree, q: Reqs, K):
   """Free pages (plus evictable ones) and empty reserved slots, after
   scheduling."""
   frag = jnp.sum(jnp.where(q.row > 0, q.row * K - q.kv, 0), dtype=jnp.int32)
-  return dict(cur, free_sched=t.free + _evictable(t, K) // K, frag=frag)
+  return dict(cur, free_sched=t.free + evictable_tokens(t, K) // K, frag=frag)
 
 
 def _arrive(s: State, c: Consts, timed: bool) -> State:
@@ -798,8 +798,8 @@ def _fresh_cur(S: int) -> dict:
   m1 = jnp.full((S,), -1, jnp.int32)
   return dict(
     sched_rid=m1, sched_n=z, sched_kind=z, ctx=z, preempted=m1, finished=m1,
-    num_preempted=_i32(0), num_finished=_i32(0), free_sched=_i32(0),
-    frag=_i32(0), rec=_empty_rec(S),
+    num_preempted=i32(0), num_finished=i32(0), free_sched=i32(0),
+    frag=i32(0), rec=_empty_rec(S),
   )  # fmt: skip
 
 
@@ -837,7 +837,7 @@ def _step(s: State, c: Consts, cfg: Config, clock) -> State:
       left = ~q.arrived & (c.arrival < _BIG)
       done = stuck | ~jnp.any(left)
       if timed:
-        nxt = _i32(jnp.argmin(jnp.where(left, c.arr_rank, _BIG)))
+        nxt = i32(jnp.argmin(jnp.where(left, c.arr_rank, _BIG)))
         later = ~done & (
           (c.arr_ms[nxt] > s.time_ms)
           | ((c.arr_ms[nxt] == s.time_ms) & (c.arr_frac[nxt] > s.time_frac))
@@ -908,11 +908,11 @@ def _close(s: State, c: Consts, cfg: Config, clock, prefill: bool) -> State:
     num_waiting=jnp.sum(q.waiting, dtype=jnp.int32),
     free_blocks=cur["free_sched"],
     free_blocks_end=s.tree.free
-    + _evictable(s.tree, cfg.page_size) // cfg.page_size,
-    prefill_tokens=tokens if prefill else _i32(0),
-    decode_tokens=_i32(0) if prefill else tokens,
-    pc_hits=_i32(0),
-    pc_queries=_i32(0),
+    + evictable_tokens(s.tree, cfg.page_size) // cfg.page_size,
+    prefill_tokens=tokens if prefill else i32(0),
+    decode_tokens=i32(0) if prefill else tokens,
+    pc_hits=i32(0),
+    pc_queries=i32(0),
     frag_tokens=cur["frag"],
     time_ms=s.time_ms,
     time_frac=s.time_frac,
@@ -956,10 +956,10 @@ def init(c: Consts, cfg: Config) -> State:
     rep=jnp.zeros((V,), jnp.int32),
     kids=jnp.zeros((V,), jnp.int32),
     born=jnp.zeros((V,), jnp.int32),
-    evictable=_i32(0),
-    clock=_i32(0),
-    free=_i32(cfg.num_pages),
-    private=_i32(0),
+    evictable=i32(0),
+    clock=i32(0),
+    free=i32(cfg.num_pages),
+    private=i32(0),
   )
   q = Reqs(
     n_out=z, prefix=z, extend_end=z, row=z, prot=z, lock_len=z, retr=z,
@@ -974,11 +974,11 @@ def init(c: Consts, cfg: Config) -> State:
     fill = -1 if k in ("sched_rid", "preempted", "finished") else 0
     out[k] = jnp.full(shape, fill, dtype)
   return State(
-    tree=tree, q=q, step=_i32(0), row=_i32(0), qnext=_i32(0), seq=_i32(0),
-    chunked=_i32(-1), full=jnp.bool_(False), ratio=jnp.float32(INIT_RATIO),
-    refresh_calls=_i32(0), status=_i32(0), done=jnp.bool_(False),
-    time_ms=_i32(0), time_frac=jnp.float32(0), cur=_fresh_cur(S), out=out,
-    idle=_i32(0),
+    tree=tree, q=q, step=i32(0), row=i32(0), qnext=i32(0), seq=i32(0),
+    chunked=i32(-1), full=jnp.bool_(False), ratio=jnp.float32(INIT_RATIO),
+    refresh_calls=i32(0), status=i32(0), done=jnp.bool_(False),
+    time_ms=i32(0), time_frac=jnp.float32(0), cur=_fresh_cur(S), out=out,
+    idle=i32(0),
   )  # fmt: skip
 
 

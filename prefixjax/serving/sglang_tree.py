@@ -21,7 +21,20 @@ import numpy as np
 
 from prefixjax._masked import barrier
 
-__all__ = ["IN_BATCH", "Consts", "Tree", "prepare"]
+__all__ = [
+  "IN_BATCH",
+  "Consts",
+  "Tree",
+  "dfs_order_key",
+  "evict_for",
+  "evictable_tokens",
+  "i32",
+  "insert",
+  "lock_path",
+  "locked_path_evictable",
+  "prepare",
+  "walk",
+]
 
 IN_BATCH = 32  # IN_BATCH_PREFIX_CACHING_{CHECK,DEPRIORITIZE}_THRESHOLD
 _BIG = np.iinfo(np.int32).max
@@ -167,7 +180,7 @@ class Tree(NamedTuple):
   private: jax.Array  # pages held by requests only
 
 
-def _i32(x):
+def i32(x):
   return jnp.asarray(x, jnp.int32)
 
 
@@ -186,10 +199,10 @@ def _leading(t: Tree, c: Consts, r, n):
   p, pv = _path(c, r)
   j = jnp.arange(p.shape[0])
   ok = (j < n) & (p >= 0) & t.cached[pv]
-  return _i32(jnp.argmin(jnp.concatenate([ok, jnp.zeros((1,), bool)])))
+  return i32(jnp.argmin(jnp.concatenate([ok, jnp.zeros((1,), bool)])))
 
 
-def _walk(t: Tree, c: Consts, r, n, do=True):
+def walk(t: Tree, c: Consts, r, n, do=True):
   """``_match_prefix_helper`` over ``r``'s first ``n`` pages (when ``do``):
   every node walked gets a new time; a node the walk ends inside is split,
   its upper part a new node with a later time. Returns (pages, tree).
@@ -238,11 +251,11 @@ def _walk(t: Tree, c: Consts, r, n, do=True):
   return h, t
 
 
-def _insert(t: Tree, c: Consts, r, n, do=True):
+def insert(t: Tree, c: Consts, r, n, do=True):
   """``_insert_helper`` (when ``do``): (pages already there, tree); the rest
   of ``r``'s first ``n`` pages become one new, unlocked leaf."""
   do = jnp.asarray(do)
-  h, t = _walk(t, c, r, n, do)
+  h, t = walk(t, c, r, n, do)
   p, pv = _path(c, r)
   V = t.cached.shape[0]
   j = jnp.arange(p.shape[0])
@@ -272,7 +285,7 @@ def _insert(t: Tree, c: Consts, r, n, do=True):
   return jnp.where(do, h, 0), t
 
 
-def _lock(t: Tree, c: Consts, r, n, delta):
+def lock_path(t: Tree, c: Consts, r, n, delta):
   """Adds ``delta`` to the lock count of every node on ``r``'s first ``n``
   pages (SGLang's ``inc_lock_ref`` / ``dec_lock_ref`` of its last node)."""
   p, pv = _path(c, r)
@@ -290,7 +303,7 @@ def _lock(t: Tree, c: Consts, r, n, delta):
   )
 
 
-def _locked_path_evictable(t: Tree, c: Consts, r, n):
+def locked_path_evictable(t: Tree, c: Consts, r, n):
   """Evictable pages if ``r``'s first ``n`` pages were locked too."""
   p, pv = _path(c, r)
   j = jnp.arange(p.shape[0])
@@ -299,7 +312,7 @@ def _locked_path_evictable(t: Tree, c: Consts, r, n):
   return t.evictable - jnp.sum(jnp.where(start, size, 0), dtype=jnp.int32)
 
 
-def _evictable(t: Tree, K):
+def evictable_tokens(t: Tree, K):
   return K * t.evictable
 
 
@@ -317,7 +330,7 @@ def _evict(t: Tree, c: Consts, K, need):
   def body(s):
     t, ev, _ = s
     cand = t.cached & (t.nstart == v) & (v != 0) & (t.kids == 0) & (t.lock == 0)
-    x = _i32(jnp.argmin(jnp.where(cand, t.ts, _BIG)))
+    x = i32(jnp.argmin(jnp.where(cand, t.ts, _BIG)))
     parent = t.nstart[c.parent[x]]
     x, ok, rep_x, nend_x, parent, kids_parent = barrier(
       x, x, cand[x], t.rep[x], t.nend[x], parent, t.kids[parent]
@@ -335,11 +348,11 @@ def _evict(t: Tree, c: Consts, K, need):
     )
     return t, ev + cnt, ok
 
-  t, _, _ = jax.lax.while_loop(cond, body, (t, _i32(0), jnp.bool_(True)))
+  t, _, _ = jax.lax.while_loop(cond, body, (t, i32(0), jnp.bool_(True)))
   return t
 
 
-def _evict_for(t: Tree, c: Consts, K, demand):
+def evict_for(t: Tree, c: Consts, K, demand):
   """``evict_to_free_tokens``: evict the shortfall of ``demand`` tokens."""
   return _evict(t, c, K, demand - t.free * K)
 
