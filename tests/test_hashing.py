@@ -172,6 +172,22 @@ def test_vmap_equals_loop(rng):
     np.testing.assert_array_equal(np.asarray(valid[i]), want_valid)
 
 
+def test_batch_equals_numpy_per_sequence(rng):
+  # Random lengths around the block multiples (empty, partial, cut at M).
+  m = int(rng.integers(1, 6))
+  k = int(rng.choice([1, 3, K]))
+  seqs = [
+    rng.integers(0, 2**31 - 1, size=int(rng.integers(0, (m + 2) * k + 1)))
+    for _ in range(int(rng.integers(1, 12)))
+  ]
+  got = np.asarray(hashing.block_hashes_batch(seqs, block_size=k, max_blocks=m))
+  assert got.shape == (len(seqs), m, 2) and got.dtype == np.uint32
+  for i, seq in enumerate(seqs):
+    want = np_block_hashes(seq[: m * k], k).reshape(-1, 2)
+    np.testing.assert_array_equal(got[i, : len(want)], want, err_msg=str(i))
+    assert not got[i, len(want) :].any()
+
+
 def test_chain_block_ids_int32_and_int64_agree_and_chain(rng):
   ids = rng.integers(-(2**31), 2**31, size=9)
   a, va = hashing.chain_block_ids(jnp.asarray(ids, jnp.int32))

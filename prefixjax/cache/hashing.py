@@ -62,6 +62,7 @@ __all__ = [
   "SEED_TOKENS",
   "SEED_VERSION",
   "block_hashes",
+  "block_hashes_batch",
   "chain_block_ids",
   "hash_words",
   "int64_to_lanes",
@@ -257,6 +258,56 @@ def block_hashes(token_ids, num_tokens, *, block_size: int, extra=None):
     raise ValueError(f"extra must be 1-D [E], got shape {extra.shape}")
   num_tokens = jnp.asarray(num_tokens, jnp.int32)
   return _block_hashes(token_ids, num_tokens, extra, block_size=block_size)
+
+
+def block_hashes_batch(sequences, *, block_size: int, max_blocks: int):
+  """Host side: :func:`block_hashes` of many token sequences at once.
+
+  Equal, row for row, to ``jax.vmap(block_hashes)`` over the sequences
+  padded to ``max_blocks * block_size`` tokens (no ``extra``), but only the
+  full blocks are digested: the sequences' tokens are gathered into one
+  ``[B, K]`` array of their full blocks (``B`` rounded up to a power of two,
+  so traces of similar size share a compiled program), digested in one
+  pass, and chained per row. Padding a 10,000-request trace to 4,096 tokens
+  each would digest about 2.5x the tokens it has.
+
+  Args:
+    sequences: ``R`` 1-D integer arrays of token ids (values must fit in
+      int32).
+    block_size: ``K``.
+    max_blocks: ``M``; a sequence's blocks past ``M`` are cut.
+
+  Returns:
+    ``[R, M, 2]`` uint32 keys (a jax array), zero past each row's last full
+    block.
+  """
+  k, m = int(block_size), int(max_blocks)
+  if k < 1 or m < 1:
+    raise ValueError(f"block_size={k} and max_blocks={m} must be >= 1")
+  r = len(sequences)
+  lens = np.fromiter((len(x) for x in sequences), np.int64, count=r)
+  full = np.minimum(lens // k, m)
+  rows = np.repeat(np.arange(r), full)
+  cols = np.arange(rows.size) - np.repeat(np.cumsum(full) - full, full)
+  size = 1 << max(int(rows.size) - 1, 0).bit_length()
+  blocks = np.zeros((size, k), np.int32)
+  if rows.size:  # the full blocks' tokens, row after row
+    blocks[: rows.size] = np.concatenate(
+      [np.asarray(x[: f * k]) for x, f in zip(sequences, full, strict=True)]
+    ).reshape(-1, k)
+  where = np.full((size,), r * m, np.int64)  # padding rows: dropped
+  where[: rows.size] = rows * m + cols
+  return _batch_keys(jnp.asarray(blocks), jnp.asarray(where, jnp.int32), r, m)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _batch_keys(blocks, where, r, m):
+  digests = hash_words(blocks, SEED_TOKENS)  # [B, 2]
+  table = jnp.zeros((r * m, 2), jnp.uint32).at[where].set(digests, mode="drop")
+  valid = jnp.zeros((r * m,), jnp.bool_).at[where].set(True, mode="drop")
+  extra = jnp.zeros((0,), jnp.uint32)
+  keys = jax.vmap(lambda g: _chain(g, extra))(table.reshape(r, m, 2))
+  return jnp.where(valid.reshape(r, m, 1), keys, jnp.uint32(0))
 
 
 def int64_to_lanes(ids) -> np.ndarray:

@@ -374,16 +374,13 @@ def _prepare(records: list[Mapping[str, Any]], config: ServingConfig):
   prompts, outputs, prompt_len, max_tokens, rejected = _request_tokens(
     records, mml
   )
-  tokens = np.zeros((r, m * k), np.int32)
-  lens = np.zeros((r,), np.int32)
-  for rid in np.flatnonzero(~rejected):
-    p, n_out = len(prompts[rid]), len(outputs[rid])
-    tokens[rid, :p] = prompts[rid]
-    tokens[rid, p : p + n_out] = outputs[rid]
-    lens[rid] = p + n_out
-  keys, _ = jax.vmap(lambda t, n: hashing.block_hashes(t, n, block_size=k))(
-    jnp.asarray(tokens), jnp.asarray(lens)
-  )
+  empty = np.zeros((0,), np.int64)
+  seqs = [
+    empty if rejected[rid] else np.concatenate([prompts[rid], outputs[rid]])
+    for rid in range(r)
+  ]
+  lens = np.fromiter((len(x) for x in seqs), np.int32, count=r)
+  keys = hashing.block_hashes_batch(seqs, block_size=k, max_blocks=m)
   return keys, prompt_len, max_tokens, rejected, lens
 
 
