@@ -570,7 +570,7 @@ def _add_simulate(subparsers) -> None:
       "Serves a trace (or a generated workload) through vLLM 0.33's v1 "
       "scheduler loop (FCFS, priority, or the lpm / dfs / fair orders) on "
       "the on-device prefix cache, or with --semantics sglang through "
-      "SGLang 0.5.23's scheduler loop (fcfs, lpm, dfs) over its radix "
+      "SGLang 0.5.23's scheduler loop (fcfs, lpm, dfs, fair) over its radix "
       "cache, one jitted loop over engine steps, with a step-counting or a "
       "roofline clock, and prints latency, hit-rate, block and throughput "
       "metrics."
@@ -663,7 +663,7 @@ def _add_simulate(subparsers) -> None:
     choices=("vllm", "sglang"),
     help="vllm (default): vLLM 0.33's v1 scheduler and block pool; sglang: "
     "SGLang 0.5.23's scheduler loop over its paged radix cache (schedulers "
-    "fcfs, lpm, dfs; --max-num-seqs is its --max-running-requests, "
+    "fcfs, lpm, dfs, fair; --max-num-seqs is its --max-running-requests, "
     "--max-num-batched-tokens its --chunked-prefill-size)",
   )
   p.add_argument(

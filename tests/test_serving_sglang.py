@@ -147,6 +147,74 @@ def test_step_exact_against_python_model(rng, case):
   _assert_same(cfg, records, arrival)
 
 
+FAIR_CASES = [
+  # pages, K, S, chunk, max_prefill, max_model_len, together, output
+  (21, 4, 8, 32, 64, 76, True, (1, 50)),  # tight pool, chunked
+  (30, 4, 16, 0, 128, 100, False, (1, 50)),  # no chunking, spread arrivals
+  (48, 4, 16, 16, 64, 100, True, (40, 90)),  # retraction pressure
+]
+
+
+@pytest.mark.parametrize(
+  "case", FAIR_CASES, ids=lambda c: "-".join(map(str, c))
+)
+def test_fair_step_exact_with_clients(rng, case):
+  """``fair`` (VTC over SGLang's loop) against the model's VTC, with each
+  request's client drawn from four: counters charged per admission, per
+  continued chunk and per sampled token, lifts on arrival."""
+  pages, K, S, chunk, maxp, mml, together, output = case
+  cfg = _config(pages, K, S, chunk, maxp, mml, "fair")
+  records = _records(rng, 40, output=output)
+  for rec in records:
+    rec["client"] = int(rng.integers(0, 4))
+  n = len(records)
+  arrival = (
+    np.zeros(n, np.int64) if together else np.sort(rng.integers(0, 80, n))
+  )
+  _assert_same(cfg, records, arrival)
+
+
+def test_fair_bounds_the_service_gap_under_sglang(rng):
+  """Client 0 floods the queue first, client 1 sends as many requests
+  just after: SGLang's FCFS serves client 0's backlog first, VTC keeps the
+  two clients' weighted service (1 per prefill token, 2 per decode token)
+  close while both are backlogged."""
+  per_client, k = 24, 4
+  records = []
+  for c in (0, 1):
+    for _ in range(per_client):
+      records.append(
+        dict(
+          input_tok_ids=rng.integers(1, 500, int(rng.integers(8, 24))).tolist(),
+          output_toks=int(rng.integers(2, 8)),
+          client=c,
+        )
+      )
+  gaps = {}
+  for name in ("fcfs", "fair"):
+    cfg = _config(200, k, 2, 32, 64, 64, name)
+    got = serving.simulate(records, cfg)
+    assert got.ok
+    first = np.asarray(got.first_sched_step)
+    client = np.asarray([r["client"] for r in records])
+    served = np.zeros((2,), np.int64)
+    worst = 0
+    for step in got.steps():
+      w = 1 if step["prefill_tokens"] > 0 else 2
+      for rid, n in step["sched"]:
+        served[client[rid]] += w * n
+      later = first > step["step"]
+      if later[client == 0].any() and later[client == 1].any():
+        worst = max(worst, abs(int(served[0] - served[1])))
+    gaps[name] = worst
+  # Of the order of 2 * (w_in * longest prompt + w_out * longest output *
+  # batch slots), as for vLLM's loop (tests/test_serving_schedulers.py).
+  bound = 2 * (24 + 2 * 8 * 2) + 2 * 2
+  print("service gaps", gaps, "bound", bound)
+  assert gaps["fair"] <= bound, gaps
+  assert gaps["fcfs"] > 3 * bound, gaps
+
+
 def test_retraction_pressure(rng):
   """Long outputs in a small pool: SGLang retracts (new_token_ratio's
   reservation runs short), and the simulator retracts the same requests."""
@@ -215,7 +283,7 @@ def test_timed_clock_keeps_the_decisions_and_metrics_read_the_run(rng):
 @pytest.mark.parametrize(
   ("kwargs", "needle"),
   [
-    (dict(scheduler="fair"), "models SGLang's schedule policies"),
+    (dict(scheduler="priority"), "the schedulers"),
     (dict(num_gpu_blocks=20), r"max_model_len \+ block_size"),
     (dict(max_num_batched_tokens=2), ">= block_size=4"),
     (dict(parallel_sampling="fork"), "needs semantics='vllm'"),

@@ -105,7 +105,7 @@ def test_schedulers_sglang_does_not_model_are_left_out():
     {
       "simulate": {
         "semantics": ["vllm", "sglang"],
-        "scheduler": ["fcfs", "fair", "lpm"],
+        "scheduler": ["fcfs", "priority", "lpm"],
         "num_blocks": 64,
         "max_model_len": 512,
       }
@@ -114,12 +114,12 @@ def test_schedulers_sglang_does_not_model_are_left_out():
   pairs = [(p.get("semantics"), p.get("scheduler")) for p in spec.points]
   assert pairs == [
     ("vllm", "fcfs"),
-    ("vllm", "fair"),
+    ("vllm", "priority"),
     ("vllm", "lpm"),
     ("sglang", "fcfs"),
     ("sglang", "lpm"),
   ]
-  assert spec.left_out == (("sglang", "fair", 1),)
+  assert spec.left_out == (("sglang", "priority", 1),)
   with pytest.raises(SpecError, match="routed replicas run vLLM semantics"):
     parse_spec(
       {

@@ -31,9 +31,11 @@ def _int_field(name: str, value) -> int:
 PARALLEL_SAMPLING = ("fan_out", "fork")
 SEMANTICS = ("vllm", "sglang")
 """Whose scheduler loop the simulator runs (:class:`ServingConfig`)."""
-SGLANG_POLICIES = ("fcfs", "lpm", "dfs")
-"""The schedulers of ``semantics="sglang"`` (SGLang's ``--schedule-policy``
-values this project models)."""
+SGLANG_POLICIES = ("fcfs", "lpm", "dfs", "fair")
+"""The schedulers of ``semantics="sglang"``: SGLang's ``--schedule-policy``
+values this project models (``dfs``: ``dfs-weight``), and ``fair``, this
+project's VTC over SGLang's loop (not an SGLang policy; see
+:mod:`prefixjax.serving.sglang_engine`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,8 +206,8 @@ class ServingConfig:
     name = self.scheduler
     if not isinstance(name, str) or name not in SGLANG_POLICIES:
       raise ValueError(
-        f"ServingConfig.scheduler={name!r}: semantics='sglang' models "
-        f"SGLang's schedule policies {SGLANG_POLICIES} only"
+        f"ServingConfig.scheduler={name!r}: semantics='sglang' runs "
+        f"the schedulers {SGLANG_POLICIES} only"
       )
     if self.max_prefill_tokens < 1:
       raise ValueError(

@@ -16,7 +16,13 @@ retraction estimate and decay; ``fcfs`` (with the waiting-prefix refresh of
 every 32nd ``calc_priority``), ``lpm`` (with in-batch prefix
 deprioritisation, FCFS over 128 waiting) and ``dfs`` (``dfs-weight``: every
 waiting request matched, the queue in DFS order of the tree weighted by
-waiting requests, :func:`prefixjax.serving.sglang_tree.dfs_order_key`).
+waiting requests, :func:`prefixjax.serving.sglang_tree.dfs_order_key`); and
+``fair``, this project's VTC over SGLang's loop (not an SGLang policy; its
+rules are the model's, ``SglangScheduler``): FCFS order and refresh, the
+PrefillAdder's next candidate the waiting request of the client with the
+lowest counter, re-chosen after each admission, counters charged ``1`` per
+prefill token scheduled and ``2`` per token sampled, a returning client
+lifted to the lowest queued counter.
 
 Data structures (``V`` pages, page 0 the root; ``R`` requests; ``M`` most
 pages of one request; ``S`` = ``max_running_requests``): pages are trie nodes
@@ -79,6 +85,7 @@ MIN_RATIO = INIT_RATIO * 0.14  # SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
 RATIO_DECAY = (INIT_RATIO - MIN_RATIO) / 600  # ..._DECAY_STEPS
 MATCH_MAX = 128  # WAITING_QUEUE_PREFIX_MATCH_MAX
 REFRESH_INTERVAL = 32  # WAITING_PREFIX_REFRESH_INTERVAL
+FAIR_W_IN, FAIR_W_OUT = 1, 2  # prefixjax.serving.schedulers.fair's defaults
 _BIG = np.iinfo(np.int32).max
 
 
@@ -99,7 +106,7 @@ class Config(NamedTuple):
   max_running: int
   chunk: int  # chunked_prefill_size; 0: no chunking
   max_prefill: int
-  policy: str  # "fcfs" | "lpm" | "dfs"
+  policy: str  # "fcfs" | "lpm" | "dfs" | "fair"
   refresh: bool  # SGLANG_ENABLE_WAITING_PREFIX_REFRESH
   steps: int  # step-buffer rows T
 
@@ -147,6 +154,8 @@ class State(NamedTuple):
   time_ms: jax.Array
   time_frac: jax.Array
   idle: jax.Array
+  vtc: jax.Array  # [R] int32 fair: each client's counter
+  vtc_floor: jax.Array  # [] int32 fair: the counter that emptied the queue
   cur: dict  # this step's lanes [S] and scalars
   out: dict  # step buffers [T, ...]
 
@@ -360,6 +369,7 @@ def _record(cur, i, rid, tok, kind, ctx):
 def _prefill(s: State, c: Consts, cfg: Config):
   """``_get_new_batch_prefill_raw`` + ``prepare_for_extend``: (state, n)."""
   K = cfg.page_size
+  fair = cfg.policy == "fair"
   q = s.q
   nrun = jnp.sum(q.running, dtype=jnp.int32)
   nwait = jnp.sum(q.waiting, dtype=jnp.int32)
@@ -442,14 +452,22 @@ def _prefill(s: State, c: Consts, cfg: Config):
 
     # the waiting queue, in order
     def cond(x):
-      return x[-1]
+      return x[8]
 
     cand, ncand = _smallest(q.waiting, q.qpos, cfg.max_running + 1)
 
     def body(x):
-      t, q, b, out, chunked, full, err, i, _ = x
-      r = cand[jnp.minimum(i, cand.shape[0] - 1)]
-      have = i < ncand
+      t, q, b, out, chunked, full, err, i, _ = x[:9]
+      vtc = x[9] if fair else None
+      if fair:  # the lowest counter's earliest request, chosen again
+        key = jnp.where(q.waiting, vtc[c.client], _BIG)
+        best = jnp.min(key)
+        pos = jnp.where(q.waiting & (key == best), q.qpos, _BIG)
+        r = i32(jnp.argmin(pos))
+        have = jnp.any(q.waiting)
+      else:
+        r = cand[jnp.minimum(i, cand.shape[0] - 1)]
+        have = i < ncand
       no_token, other = budget(t, b)
       other = other & ~no_token
       slots = b["nb"] >= cfg.max_running - nrun
@@ -522,15 +540,32 @@ def _prefill(s: State, c: Consts, cfg: Config):
         )
         return (t, q, b, out, chunked, full, err), more
 
+      was_waiting = q.waiting[r]
       (t, q, b, out, chunked, full, err), more = _when(
         proceed,
         lambda y: try_one(y[0]),
         ((t, q, b, out, chunked, full, err), jnp.bool_(False)),
       )
-      return t, q, b, out, chunked, full, err, i + 1, more
+      y = (t, q, b, out, chunked, full, err, i + 1, more)
+      if not fair:
+        return y
+      # fair: the admission's tokens, seen by the next choice; the client
+      # that empties the queue sets the floor
+      floor = x[10]
+      admitted = was_waiting & ~q.waiting[r]
+      ext = out["sched_n"][jnp.maximum(b["nb"] - 1, 0)]
+      u = c.client[r]
+      vtc = vtc.at[u].add(jnp.where(admitted, FAIR_W_IN * ext, 0))
+      floor = jnp.where(admitted & ~jnp.any(q.waiting), vtc[u], floor)
+      return (*y, vtc, floor)
 
     x = (t, q, b, out, chunked, s.full, jnp.bool_(False), i32(0), True)
-    t, q, b, out, chunked, full, err, _, _ = jax.lax.while_loop(cond, body, x)
+    if fair:
+      x = (*x, s.vtc, s.vtc_floor)
+    x = jax.lax.while_loop(cond, body, x)
+    t, q, b, out, chunked, full, err = x[:7]
+    if fair:
+      s = s._replace(vtc=x[9], vtc_floor=x[10])
     # prepare_for_extend
     nb = b["nb"]
     demand = b["ext_sum"] + (nb * K if K > 1 else 0)
@@ -740,7 +775,42 @@ def _sched_frag(cur, t: Tree, q: Reqs, K):
   return dict(cur, free_sched=t.free + evictable_tokens(t, K) // K, frag=frag)
 
 
-def _arrive(s: State, c: Consts, timed: bool) -> State:
+def _fair_arrivals(s: State, c: Consts, new) -> State:
+  """``fair``: each new arrival, in arrival order, joins the queue; its
+  client, if it had nothing queued, is lifted to the lowest counter of the
+  clients with queued requests (the floor if none)."""
+  order = jnp.argsort(jnp.where(new, c.arr_rank, _BIG))
+  count = jnp.sum(new, dtype=jnp.int32)
+
+  def body(x):
+    i, waiting, vtc = x
+    r = order[i]
+    u = c.client[r]
+    present = jnp.any(waiting & (c.client == u))
+    low = jnp.min(jnp.where(waiting, vtc[c.client], _BIG))
+    lift = jnp.where(jnp.any(waiting), low, s.vtc_floor)
+    vtc = vtc.at[u].set(jnp.where(present, vtc[u], jnp.maximum(vtc[u], lift)))
+    return i + 1, waiting.at[r].set(True), vtc
+
+  _, waiting, vtc = jax.lax.while_loop(
+    lambda x: x[0] < count, body, (i32(0), s.q.waiting, s.vtc)
+  )
+  return s._replace(q=s.q._replace(waiting=waiting), vtc=vtc)
+
+
+def _fair_charge(s: State, c: Consts, n_out_before, chunked_before, nb):
+  """``fair``'s end-of-step charges: the continued chunk of the chunked
+  request (lane 0 of a prefill batch) and every sampled token."""
+  q = s.q
+  sampled = q.n_out - n_out_before
+  vtc = s.vtc.at[c.client].add(FAIR_W_OUT * jnp.maximum(sampled, 0))
+  chunk = (nb > 0) & (chunked_before >= 0)
+  u = c.client[jnp.maximum(chunked_before, 0)]
+  vtc = vtc.at[u].add(jnp.where(chunk, FAIR_W_IN * s.cur["sched_n"][0], 0))
+  return s._replace(vtc=vtc)
+
+
+def _arrive(s: State, c: Consts, timed: bool, fair: bool = False) -> State:
   q = s.q
   if timed:
     due = (c.arr_ms < s.time_ms) | (
@@ -751,6 +821,9 @@ def _arrive(s: State, c: Consts, timed: bool) -> State:
     due = c.arrival <= s.step
   new = ~q.arrived & due
   any_new = jnp.any(new)
+  if fair:
+    s = _fair_arrivals(s, c, new)
+    q = s.q
   q = q._replace(
     arrived=q.arrived | new,
     waiting=q.waiting | new,
@@ -810,10 +883,12 @@ def _step(s: State, c: Consts, cfg: Config, clock) -> State:
   timed = clock is not None
   out = s.out
   s = s._replace(out=None)
-  s = _arrive(s, c, timed)
+  fair = cfg.policy == "fair"
+  s = _arrive(s, c, timed, fair)
   s = _merge(s, c, cfg)
   S = s.cur["sched_rid"].shape[0]
   s = s._replace(cur=_fresh_cur(S))
+  n_out_before, chunked_before = s.q.n_out, s.chunked
   s, nb = _prefill(s, c, cfg)
 
   def prefill_step(s):
@@ -862,6 +937,8 @@ def _step(s: State, c: Consts, cfg: Config, clock) -> State:
 
   row = s.row
   s = _cond(nb > 0, prefill_step, other, s)
+  if fair:
+    s = _fair_charge(s, c, n_out_before, chunked_before, nb)
   rec = s.cur["rec"]
   T = out["step"].shape[0]
   at = jnp.where(s.row > row, row, T)  # idle: nothing written
@@ -978,7 +1055,7 @@ def init(c: Consts, cfg: Config) -> State:
     chunked=i32(-1), full=jnp.bool_(False), ratio=jnp.float32(INIT_RATIO),
     refresh_calls=i32(0), status=i32(0), done=jnp.bool_(False),
     time_ms=i32(0), time_frac=jnp.float32(0), cur=_fresh_cur(S), out=out,
-    idle=i32(0),
+    idle=i32(0), vtc=z, vtc_floor=i32(0),
   )  # fmt: skip
 
 

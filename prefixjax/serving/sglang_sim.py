@@ -48,6 +48,7 @@ def _prepare(
   config: ServingConfig,
   tokens,
   arr,
+  client=None,
 ) -> _Prepared:
   k = config.block_size
   prompts, outputs, prompt_len, max_tokens, rejected = tokens
@@ -64,6 +65,7 @@ def _prepare(
     arrival_ms=arr["arrival_ms"],
     arrival_frac=arr["arrival_frac"],
     sort_by=arr["sort_by"],
+    client=client,
   )
   ok = ~rejected
   work = int(prompt_len[ok].sum()) // max(config.max_num_batched_tokens, 1)
@@ -97,6 +99,7 @@ def simulate_sglang(
   tokens,
   arr: Mapping[str, Any],
   *,
+  client=None,
   step_time_ms=None,
   max_steps=None,
   timer=None,
@@ -107,12 +110,13 @@ def simulate_sglang(
   ``tokens`` and ``arr`` are the host preparation :func:`simulate` shares
   by both semantics (``simulate._request_tokens`` of the records after
   ``fan_out``, ``simulate._arrival_arrays``); ``timer`` ``None`` (the steps
-  clock) or a clock object; ``progress``: a tqdm bar of finished requests
-  on stderr.
+  clock) or a clock object; ``client``: ``[R]`` dense client ids (the
+  ``fair`` policy's, ``simulate._clients``; default all 0); ``progress``: a
+  tqdm bar of finished requests on stderr.
   """
   if config.semantics != "sglang":
     raise ValueError("simulate_sglang needs ServingConfig.semantics='sglang'")
-  prep = _prepare(config, tokens, arr)
+  prep = _prepare(config, tokens, arr, client)
   num_requests = len(tokens[0])
   cfg = prep.cfg
   if max_steps is not None:

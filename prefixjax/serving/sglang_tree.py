@@ -53,6 +53,7 @@ class Consts(NamedTuple):
   arr_frac: jax.Array  # [R] float32 its fraction
   tin: jax.Array  # [V] int32 pre-order number of the page in the whole trie
   tout: jax.Array  # [V] int32 the last pre-order number of its subtree
+  client: jax.Array  # [R] int32 dense client id (``fair``), 0 by default
 
 
 def prepare(
@@ -65,6 +66,7 @@ def prepare(
   arrival_ms=None,
   arrival_frac=None,
   sort_by=None,
+  client=None,
 ) -> Consts:
   """Host side: page paths, first-32-token groups and arrival ranks.
 
@@ -79,6 +81,8 @@ def prepare(
       and its fraction); zeros by default.
     sort_by: ``[R]`` the arrival order's key (default ``arrival_steps``);
       ties go by rid.
+    client: ``[R]`` dense client ids in ``0 .. R - 1`` (the ``fair``
+      policy's clients); all 0 by default.
   """
   K = page_size
   R = len(prompts)
@@ -135,6 +139,9 @@ def prepare(
     ),
     tin=jnp.asarray(tin),
     tout=jnp.asarray(tout),
+    client=jnp.asarray(
+      np.zeros((R,), np.int32) if client is None else client, jnp.int32
+    ),
   )
 
 

@@ -540,6 +540,7 @@ def _simulate_sglang(
     config,
     tokens,
     arr,
+    client=_clients(records),
     step_time_ms=step_time_ms,
     max_steps=max_steps,
     timer=timer,

@@ -217,7 +217,7 @@ SIMULATE_FIELDS: dict[str, _Field] = {
     _choice(lambda: ("vllm", "sglang")),
     "vllm",
     help="vllm: vLLM 0.33's scheduler loop; sglang: SGLang 0.5.23's "
-    "(schedulers fcfs, lpm, dfs)",
+    "(schedulers fcfs, lpm, dfs, fair)",
   ),
   "scheduler": _Field(_choice(_schedulers), "fcfs"),
   "block_size": _Field(_int(1), 16),

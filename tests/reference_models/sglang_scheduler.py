@@ -4,7 +4,9 @@ The normal (non-overlap) event loop of ``srt/managers/scheduler.py``
 (``Scheduler.event_loop_normal``) over a paged ``RadixCache`` with LRU
 eviction (the tree verbs are :class:`SglangRadixCache`'s, checked against
 the real cache, see :mod:`tests.reference_models.sglang_radix`), with the
-``fcfs``, ``lpm`` or ``dfs-weight`` (``"dfs"``) schedule policy, chunked
+``fcfs``, ``lpm`` or ``dfs-weight`` (``"dfs"``) schedule policy (or this
+project's ``fair``, VTC over SGLang's loop: see :class:`SglangScheduler`),
+chunked
 prefill, no mixed chunks (SGLang's default ``enable_mixed_chunk=False``),
 no priority scheduling, one data-parallel rank. Requests are not
 ``ignore_eos`` (the scheduler does not know an output stops at
@@ -134,7 +136,8 @@ WAITING_QUEUE_PREFIX_MATCH_MAX = 128  # schedule_policy.py
 WAITING_PREFIX_REFRESH_INTERVAL = 32  # schedule_policy.py
 IN_BATCH_CHECK = 32  # IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD
 IN_BATCH_DEPRIORITIZE = 32  # IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD
-POLICIES = ("fcfs", "lpm", "dfs")  # "dfs": --schedule-policy dfs-weight
+POLICIES = ("fcfs", "lpm", "dfs", "fair")  # "dfs": --schedule-policy dfs-weight
+FAIR_W_IN, FAIR_W_OUT = 1, 2  # VTC's weights (prefixjax's fair defaults)
 
 
 class OutOfMemory(RuntimeError):
@@ -148,6 +151,7 @@ class _Req:
   outputs: list[int]  # the tokens it will sample, in order
   max_new: int
   arrival_step: int
+  client: int = 0
   n_out: int = 0
   prefix_len: int = 0
   extend_end: int = 0
@@ -170,7 +174,22 @@ class _Req:
 
 
 class SglangScheduler:
-  """SGLang 0.5.23's normal scheduler loop over the paged RadixCache."""
+  """SGLang 0.5.23's normal scheduler loop over the paged RadixCache.
+
+  ``policy="fair"`` is not an SGLang policy: it is prefixjax's VTC
+  (``prefixjax.serving.schedulers.fair``, Sheng et al., OSDI'24) over this
+  loop, with the same rules as over vLLM's: the queue keeps FCFS order (and
+  the FCFS waiting-prefix refresh); the PrefillAdder's next candidate is
+  the waiting request of the client with the lowest counter (ties: queue
+  order), chosen again after every admission; an admission charges
+  ``w_in`` per token it schedules (so the next choice sees it, and the
+  client that empties the queue sets the floor), and at the end of a step
+  the continued chunk of the chunked request charges ``w_in`` per token and
+  every sampled token ``w_out``; a request arriving for a client with
+  nothing queued lifts its counter to the lowest counter of the clients
+  with queued requests (the floor if none). Retracted requests re-queue
+  without a lift.
+  """
 
   def __init__(
     self,
@@ -207,6 +226,8 @@ class SglangScheduler:
     self.batch_is_full = False
     self.calc_priority_calls = 0
     self.refresh_calls = 0
+    self.vtc: dict[int, int] = {}  # fair: client -> counter
+    self.vtc_floor = 0
 
   # --------------------------------------------------------------- helpers
   def _keys(self, tokens: Sequence[int]) -> list:
@@ -362,7 +383,7 @@ class SglangScheduler:
         self.chunked = None
 
     admitted: list[_Req] = []
-    for req in list(self.waiting):
+    for req in self._candidates(admitted):
       if budget_state() == "other":
         break
       if len(batch) >= self.max_running - len(self.running):
@@ -402,6 +423,10 @@ class SglangScheduler:
         req.hit_first = prefix_len
       batch.append((req, extend))
       admitted.append(req)
+      if self.policy == "fair":
+        self._charge(req, FAIR_W_IN * extend)
+        if len(admitted) == len(self.waiting):  # the queue is empty
+          self.vtc_floor = self.vtc.get(req.client, 0)
       reserve(extend, reserved_new)
       state = budget_state()
       if state != "continue":
@@ -419,6 +444,34 @@ class SglangScheduler:
     for req, _ in batch:
       self._take(req, cdiv(req.extend_end, K) - cdiv(req.prefix_len, K))
     return batch
+
+  def _candidates(self, admitted: list[_Req]):
+    """The waiting requests in the order the PrefillAdder tries them."""
+    if self.policy != "fair":
+      yield from list(self.waiting)
+      return
+    while True:  # re-chosen after each admission (counters moved)
+      taken = {id(r) for r in admitted}
+      rest = [
+        (self.vtc.get(r.client, 0), i, r)
+        for i, r in enumerate(self.waiting)
+        if id(r) not in taken
+      ]
+      if not rest:
+        return
+      yield min(rest, key=lambda x: x[:2])[2]
+
+  def _charge(self, req: _Req, amount: int) -> None:
+    self.vtc[req.client] = self.vtc.get(req.client, 0) + amount
+
+  def _arrive(self, req: _Req) -> None:
+    """``waiting_queue.append``; ``fair``: the returning client's lift."""
+    if self.policy == "fair":
+      queued = {r.client for r in self.waiting}
+      if req.client not in queued:
+        lift = min((self.vtc.get(u, 0) for u in queued), default=self.vtc_floor)
+        self.vtc[req.client] = max(self.vtc.get(req.client, 0), lift)
+    self.waiting.append(req)
 
   def _finish_prefill(self, batch, step: int) -> None:
     for req, _ in batch:
@@ -523,7 +576,16 @@ class SglangScheduler:
       if len(prompt) >= self.max_model_len:
         rejected.add(rid)
       o = min(o, self.max_model_len - len(prompt))
-      reqs.append(_Req(rid, prompt, outs, max(o, 1), int(arrival_steps[rid])))
+      reqs.append(
+        _Req(
+          rid,
+          prompt,
+          outs,
+          max(o, 1),
+          int(arrival_steps[rid]),
+          client=int(rec.get("client", 0)),
+        )
+      )
     pending = sorted(
       (r for r in reqs if r.rid not in rejected),
       key=lambda r: (r.arrival_step, r.rid),
@@ -533,7 +595,7 @@ class SglangScheduler:
     last_prefill: list[_Req] = []
     while True:
       while nxt < len(pending) and pending[nxt].arrival_step <= step:
-        self.waiting.append(pending[nxt])
+        self._arrive(pending[nxt])
         nxt += 1
       # get_next_batch_to_run: stash, merge, filter
       if self.chunked is not None:
@@ -548,9 +610,16 @@ class SglangScheduler:
       self.running = [r for r in self.running if r.finish_step is None]
       if left or len(self.running) < n or not self.running:
         self.batch_is_full = False
+      chunk_before = self.chunked
+      out_before = {id(r): r.n_out for r in reqs}
       batch = self._prefill(step)
       if batch is not None:
         self._finish_prefill(batch, step)
+        if self.policy == "fair":  # end of step: chunk continued, samples
+          for r, e in batch:
+            if r is chunk_before:
+              self._charge(r, FAIR_W_IN * e)
+          self._charge_samples(reqs, out_before)
         last_prefill = [r for r, _ in batch]
         steps.append(
           dict(
@@ -566,6 +635,8 @@ class SglangScheduler:
       last_prefill = []
       if self.running:
         ran, retracted = self._decode(step)
+        if self.policy == "fair":
+          self._charge_samples(reqs, out_before)
         steps.append(
           dict(
             step=step,
@@ -599,6 +670,11 @@ class SglangScheduler:
         )
       )
     return steps, out
+
+  def _charge_samples(self, reqs, out_before) -> None:
+    for r in reqs:
+      if r.n_out > out_before[id(r)]:
+        self._charge(r, FAIR_W_OUT * (r.n_out - out_before[id(r)]))
 
   def _checkpoint_chunk(self, req: _Req) -> None:
     """``stash_chunked_request``: publish the chunk, resume after it."""
