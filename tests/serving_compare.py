@@ -5,6 +5,8 @@ Imported by the test modules (pytest puts ``tests/`` on ``sys.path``).
 
 from __future__ import annotations
 
+import numpy as np
+
 
 def assert_same_run(got, steps, reqs) -> None:
   """A :class:`prefixjax.serving.SimResult` equals a reference model's run.
@@ -21,3 +23,36 @@ def assert_same_run(got, steps, reqs) -> None:
   assert len(mine) == len(steps)
   for r_model, r_mine in zip(reqs, got.requests(), strict=True):
     assert r_mine == r_model, f"request {r_model['rid']}"
+
+
+def backlogged_clients(rng, per_client: int = 24) -> list[dict]:
+  """Client 0's requests first, then as many of client 1's: prompts of
+  8-23 random tokens, 2-7 outputs (the fairness tests' trace)."""
+  records = []
+  for c in (0, 1):
+    for _ in range(per_client):
+      records.append(
+        dict(
+          input_tok_ids=rng.integers(1, 500, int(rng.integers(8, 24))).tolist(),
+          output_toks=int(rng.integers(2, 8)),
+          client=c,
+        )
+      )
+  return records
+
+
+def worst_service_gap(got, records, weight) -> int:
+  """The largest ``|service(0) - service(1)|`` over the steps in which both
+  clients are backlogged (each still has a request not started); a step's
+  tokens count ``weight(step)`` each."""
+  first = np.asarray(got.first_sched_step)
+  client = np.asarray([r["client"] for r in records])
+  served = np.zeros((2,), np.int64)
+  worst = 0
+  for step in got.steps():
+    for rid, n in step["sched"]:
+      served[client[rid]] += weight(step) * n
+    later = first > step["step"]
+    if later[client == 0].any() and later[client == 1].any():
+      worst = max(worst, abs(int(served[0] - served[1])))
+  return worst

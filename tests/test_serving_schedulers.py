@@ -20,7 +20,11 @@ import pytest
 from reference_models.schedulers import OrderedScheduler
 from reference_models.vllm_apc import cdiv
 from reference_models.vllm_scheduler import model_kwargs
-from serving_compare import assert_same_run
+from serving_compare import (
+  assert_same_run,
+  backlogged_clients,
+  worst_service_gap,
+)
 
 from prefixjax import serving
 from prefixjax.serving import ServingConfig, schedulers
@@ -213,17 +217,8 @@ def test_lpm_beats_fcfs_and_nears_the_ceiling(rng):
 def test_fair_bounds_the_service_gap(rng):
   """Client 0 floods the queue first; client 1 sends as many requests just
   after. FCFS serves client 0's backlog first, VTC keeps the two close."""
-  per_client, k = 24, 4
-  records = []
-  for c in (0, 1):
-    for _ in range(per_client):
-      records.append(
-        dict(
-          input_tok_ids=rng.integers(1, 500, int(rng.integers(8, 24))).tolist(),
-          output_toks=int(rng.integers(2, 8)),
-          client=c,
-        )
-      )
+  k = 4
+  records = backlogged_clients(rng)
   base = dict(
     num_gpu_blocks=200,
     block_size=k,
@@ -236,18 +231,7 @@ def test_fair_bounds_the_service_gap(rng):
   for name, sched in (("fcfs", "fcfs"), ("fair", vtc)):
     got = serving.simulate(records, ServingConfig(**base, scheduler=sched))
     assert got.ok
-    first = np.asarray(got.first_sched_step)
-    client = np.asarray([r["client"] for r in records])
-    served = np.zeros((2,), np.int64)
-    worst = 0
-    for step in got.steps():
-      for rid, n in step["sched"]:
-        served[client[rid]] += n
-      # Both clients backlogged: each still has a request not started.
-      later = first > step["step"]
-      if later[client == 0].any() and later[client == 1].any():
-        worst = max(worst, abs(int(served[0] - served[1])))
-    gaps[name] = worst
+    gaps[name] = worst_service_gap(got, records, lambda step: 1)
   # VTC's bound (Sheng et al., OSDI'24, Theorem 4.3) is of the order of
   # 2 * (w_in * longest prompt + w_out * longest output * batch slots):
   # here 2 * (24 + 8 * 2), give or take a token per request.
@@ -279,7 +263,6 @@ def test_common_blocks_and_in_batch_holds_equal_plain_loops(rng):
   check against the plain definitions: count of equal chained keys, and
   SGLang's sequential walk down the queue."""
   import jax.numpy as jnp
-  import numpy as np
 
   w, m = int(rng.integers(2, 40)), int(rng.integers(1, 20))
   # Chained keys over a few shared prefixes: row i follows a random

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from reference_models.sglang_scheduler import SglangScheduler
+from serving_compare import backlogged_clients, worst_service_gap
 
 import prefixjax as pj
 from prefixjax import serving
@@ -179,34 +180,14 @@ def test_fair_bounds_the_service_gap_under_sglang(rng):
   just after: SGLang's FCFS serves client 0's backlog first, VTC keeps the
   two clients' weighted service (1 per prefill token, 2 per decode token)
   close while both are backlogged."""
-  per_client, k = 24, 4
-  records = []
-  for c in (0, 1):
-    for _ in range(per_client):
-      records.append(
-        dict(
-          input_tok_ids=rng.integers(1, 500, int(rng.integers(8, 24))).tolist(),
-          output_toks=int(rng.integers(2, 8)),
-          client=c,
-        )
-      )
+  records = backlogged_clients(rng)
   gaps = {}
   for name in ("fcfs", "fair"):
-    cfg = _config(200, k, 2, 32, 64, 64, name)
-    got = serving.simulate(records, cfg)
+    got = serving.simulate(records, _config(200, 4, 2, 32, 64, 64, name))
     assert got.ok
-    first = np.asarray(got.first_sched_step)
-    client = np.asarray([r["client"] for r in records])
-    served = np.zeros((2,), np.int64)
-    worst = 0
-    for step in got.steps():
-      w = 1 if step["prefill_tokens"] > 0 else 2
-      for rid, n in step["sched"]:
-        served[client[rid]] += w * n
-      later = first > step["step"]
-      if later[client == 0].any() and later[client == 1].any():
-        worst = max(worst, abs(int(served[0] - served[1])))
-    gaps[name] = worst
+    gaps[name] = worst_service_gap(
+      got, records, lambda step: 1 if step["prefill_tokens"] > 0 else 2
+    )
   # Of the order of 2 * (w_in * longest prompt + w_out * longest output *
   # batch slots), as for vLLM's loop (tests/test_serving_schedulers.py).
   bound = 2 * (24 + 2 * 8 * 2) + 2 * 2
