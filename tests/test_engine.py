@@ -204,9 +204,14 @@ def test_parallel_sampling_shares_the_prompt_and_changes_no_bit(rng):
 
 
 def test_preemption_under_a_small_pool_changes_no_bit(rng):
-  prompts = [_ids(rng, rng.integers(40, 90)) for _ in range(4)]
   mnt = 48
-  small = _run([(prompts, mnt)], SMALL_POOL)[0]
+  # Not every draw preempts (seed 748883503: prompts of 80, 79, 86 and 62
+  # tokens are admitted so that the running ones always fit): draw again.
+  for _ in range(5):
+    prompts = [_ids(rng, rng.integers(40, 90)) for _ in range(4)]
+    small = _run([(prompts, mnt)], SMALL_POOL)[0]
+    if small.stats["preemptions"] > 0:
+      break
   small_off = _run([(prompts, mnt)], SMALL_POOL, prefix_caching=False)[0]
   roomy = _run([(prompts, mnt)], CFG)[0]
   assert small.stats["preemptions"] > 0
