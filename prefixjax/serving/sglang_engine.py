@@ -821,8 +821,8 @@ def _arrive(s: State, c: Consts, timed: bool, fair: bool = False) -> State:
     due = c.arrival <= s.step
   new = ~q.arrived & due
   any_new = jnp.any(new)
-  if fair:
-    s = _fair_arrivals(s, c, new)
+  if fair:  # only in steps with arrivals (it sorts [R])
+    s = _when(any_new, lambda s: _fair_arrivals(s, c, new), s)
     q = s.q
   q = q._replace(
     arrived=q.arrived | new,
