@@ -663,8 +663,33 @@ def _add_simulate(subparsers) -> None:
     choices=("vllm", "sglang"),
     help="vllm (default): vLLM 0.33's v1 scheduler and block pool; sglang: "
     "SGLang 0.5.23's scheduler loop over its paged radix cache (schedulers "
-    "fcfs, lpm, dfs, fair; --max-num-seqs is its --max-running-requests, "
-    "--max-num-batched-tokens its --chunked-prefill-size)",
+    "fcfs, lpm, dfs, fair, priority; --max-num-seqs is its "
+    "--max-running-requests, --max-num-batched-tokens its "
+    "--chunked-prefill-size)",
+  )
+  p.add_argument(
+    "--low-priority-first",
+    action="store_true",
+    default=None,
+    help="sglang, --scheduler priority: lower priority values go first "
+    "(SGLang's --schedule-low-priority-values-first; SGLang's default, and "
+    "ours, is higher first; vLLM's priority is always lower first)",
+  )
+  p.add_argument(
+    "--no-priority-preemption",
+    action="store_true",
+    default=None,
+    help="sglang, --scheduler priority: never preempt running requests for "
+    "a higher-priority one (SGLang's --disable-priority-preemption)",
+  )
+  p.add_argument(
+    "--priority-preemption-threshold",
+    type=int,
+    default=None,
+    metavar="N",
+    help="sglang, --scheduler priority: the priority difference a waiting "
+    "request must exceed to preempt a running one (SGLang's "
+    "--priority-scheduling-preemption-threshold, default 10)",
   )
   p.add_argument(
     "--max-prefill-tokens",
@@ -698,10 +723,17 @@ def _simulate_config(args):
     semantics="--semantics",
     max_prefill_tokens="--max-prefill-tokens",
     parallel_sampling="--semantics",
+    priority_preemption_threshold="--priority-preemption-threshold",
   )
   extra = {}
   if args.max_prefill_tokens is not None:
     extra["max_prefill_tokens"] = args.max_prefill_tokens
+  if args.low_priority_first:
+    extra["low_priority_first"] = True
+  if args.no_priority_preemption:
+    extra["priority_preemption"] = False
+  if args.priority_preemption_threshold is not None:
+    extra["priority_preemption_threshold"] = args.priority_preemption_threshold
   try:
     return ServingConfig(
       num_gpu_blocks=args.num_blocks + 1,

@@ -63,7 +63,10 @@ def test_json_and_jsonl_match_simulate_and_model(tmp_path, capsys):
     (["--block-size", "0"], "--block-size"),
     (["--max-num-seqs", "0"], "--max-num-seqs"),
     (["--scheduler", "lifo"], "--scheduler"),
-    (["--semantics", "sglang", "--scheduler", "priority"], "--scheduler"),
+    (
+      ["--priority-preemption-threshold", "3"],
+      "--priority-preemption-threshold",
+    ),
     (["--max-prefill-tokens", "100"], "--max-prefill-tokens"),
     (["--semantics", "sglang", "--num-blocks", "120"], "--num-blocks"),
     (["--arrivals", "trace"], "--step-time-ms"),

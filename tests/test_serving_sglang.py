@@ -72,6 +72,9 @@ def _model(cfg: ServingConfig, records, arrival):
     max_model_len=cfg.max_model_len,
     policy=cfg.scheduler,
     waiting_prefix_refresh=cfg.waiting_prefix_refresh,
+    low_priority_first=cfg.low_priority_first,
+    priority_preemption=cfg.priority_preemption,
+    priority_threshold=cfg.priority_preemption_threshold,
   )
   return m.simulate(records, arrival)
 
@@ -196,6 +199,58 @@ def test_fair_bounds_the_service_gap_under_sglang(rng):
   assert gaps["fcfs"] > 3 * bound, gaps
 
 
+PRIORITY_CASES = [
+  # pages, K, S, chunk, max_prefill, max_model_len, extra config
+  (60, 4, 4, 32, 64, 100, {}),  # few slots: preemption
+  (30, 4, 8, 0, 128, 100, {}),  # tight pool, no chunking: retraction too
+  (60, 4, 4, 32, 64, 100, dict(low_priority_first=True)),
+  (60, 4, 4, 32, 64, 100, dict(priority_preemption_threshold=3)),
+  (60, 4, 4, 32, 64, 100, dict(priority_preemption=False)),
+]
+
+
+@pytest.mark.parametrize(
+  "case",
+  PRIORITY_CASES,
+  ids=lambda c: "-".join(map(str, c[:6])) + "".join(f"-{k}" for k in c[6]),
+)
+def test_priority_step_exact_with_preemption(rng, case):
+  """``priority`` (SGLang's ``--enable-priority-scheduling`` over fcfs)
+  against the model: the queue in ``(priority, entry)`` order every step,
+  and ``preempt_to_schedule`` once the slots are full (its victims, their
+  release in batch order, their re-entry after the pass)."""
+  pages, K, S, chunk, maxp, mml, extra = case
+  cfg = _config(pages, K, S, chunk, maxp, mml, "priority", **extra)
+  records = _records(rng, 40)
+  for rec in records:
+    rec["priority"] = int(rng.integers(0, 40))
+  arrival = np.sort(rng.integers(0, 80, len(records)))
+  _assert_same(cfg, records, arrival)
+
+
+def test_priority_preempts_for_urgent_requests(rng):
+  """Two slots held by long low-priority requests; urgent ones (priority
+  50 against 0, beyond the threshold of 10) arrive later: SGLang preempts
+  running requests for them, so they start sooner than under fcfs, and
+  the simulator preempts the same requests as the model."""
+  records = _records(rng, 12, prompt=(8, 20), output=(60, 80))
+  arrival = np.array([0] * 6 + [10] * 6, np.int64)
+  for i, rec in enumerate(records):
+    rec["priority"] = 50 if i >= 6 else 0
+  cfg = _config(200, 4, 2, 32, 64, 120, "priority")
+  total = _assert_same(cfg, [dict(r) for r in records], arrival)
+  assert total > 0, "nothing preempted: the case lost its pressure"
+  got = _run(cfg, [dict(r) for r in records], arrival)
+  fcfs = _run(
+    _config(200, 4, 2, 32, 64, 120, "fcfs"), [dict(r) for r in records], arrival
+  )
+  urgent = slice(6, 12)
+  assert (
+    got.first_token_step[urgent].mean() < fcfs.first_token_step[urgent].mean()
+  )
+  assert got.num_preemptions[:6].sum() == total
+
+
 def test_retraction_pressure(rng):
   """Long outputs in a small pool: SGLang retracts (new_token_ratio's
   reservation runs short), and the simulator retracts the same requests."""
@@ -264,7 +319,9 @@ def test_timed_clock_keeps_the_decisions_and_metrics_read_the_run(rng):
 @pytest.mark.parametrize(
   ("kwargs", "needle"),
   [
-    (dict(scheduler="priority"), "the schedulers"),
+    (dict(scheduler=serving.schedulers.get_scheduler("lpm")), "the schedulers"),
+    (dict(semantics="vllm", low_priority_first=True), "sglang-semantics knob"),
+    (dict(priority_preemption_threshold=2**30), r"must be in \(-2\*\*30"),
     (dict(num_gpu_blocks=20), r"max_model_len \+ block_size"),
     (dict(max_num_batched_tokens=2), ">= block_size=4"),
     (dict(parallel_sampling="fork"), "needs semantics='vllm'"),

@@ -101,11 +101,21 @@ def test_policies_a_semantics_does_not_serve_are_left_out():
 
 
 def test_schedulers_sglang_does_not_model_are_left_out():
+  """A user-registered scheduler orders vLLM's loop only: its sglang
+  points are left out (and counted), every built-in one runs under both."""
+  from prefixjax.serving import schedulers
+
+  longest = schedulers.Scheduler(
+    name="longest_first", order=lambda state, view: -view.prompt_len
+  )
+  schedulers.register_scheduler(
+    "longest_first", lambda: longest, overwrite=True
+  )
   spec = parse_spec(
     {
       "simulate": {
         "semantics": ["vllm", "sglang"],
-        "scheduler": ["fcfs", "priority", "lpm"],
+        "scheduler": ["fcfs", "longest_first", "priority"],
         "num_blocks": 64,
         "max_model_len": 512,
       }
@@ -114,12 +124,12 @@ def test_schedulers_sglang_does_not_model_are_left_out():
   pairs = [(p.get("semantics"), p.get("scheduler")) for p in spec.points]
   assert pairs == [
     ("vllm", "fcfs"),
+    ("vllm", "longest_first"),
     ("vllm", "priority"),
-    ("vllm", "lpm"),
     ("sglang", "fcfs"),
-    ("sglang", "lpm"),
+    ("sglang", "priority"),
   ]
-  assert spec.left_out == (("sglang", "priority", 1),)
+  assert spec.left_out == (("sglang", "longest_first", 1),)
   with pytest.raises(SpecError, match="routed replicas run vLLM semantics"):
     parse_spec(
       {

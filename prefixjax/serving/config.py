@@ -31,7 +31,12 @@ def _int_field(name: str, value) -> int:
 PARALLEL_SAMPLING = ("fan_out", "fork")
 SEMANTICS = ("vllm", "sglang")
 """Whose scheduler loop the simulator runs (:class:`ServingConfig`)."""
-SGLANG_POLICIES = ("fcfs", "lpm", "dfs", "fair")
+SGLANG_POLICIES = ("fcfs", "lpm", "dfs", "fair", "priority")
+_SGLANG_PRIORITY_KNOBS = (
+  ("low_priority_first", False),
+  ("priority_preemption", True),
+  ("priority_preemption_threshold", 10),
+)
 """The schedulers of ``semantics="sglang"``: SGLang's ``--schedule-policy``
 values this project models (``dfs``: ``dfs-weight``), and ``fair``, this
 project's VTC over SGLang's loop (not an SGLang policy; see
@@ -76,13 +81,27 @@ class ServingConfig:
       ``--chunked-prefill-size`` (with ``chunked_prefill``; without it no
       chunking), ``max_model_len`` is ``--context-length``, ``scheduler`` is
       ``--schedule-policy`` (``"fcfs"``, ``"lpm"`` or ``"dfs"``, SGLang's
-      ``dfs-weight``).
+      ``dfs-weight``; ``"priority"`` is ``fcfs`` with
+      ``--enable-priority-scheduling``, reading each record's ``priority``,
+      default 0, **higher first** as SGLang's default; ``"fair"`` is this
+      project's VTC).
     max_prefill_tokens: SGLang's ``--max-prefill-tokens`` (default 16384,
       ``server_args.py``): prefill tokens of one batch; ``"sglang"`` only.
     waiting_prefix_refresh: SGLang's ``SGLANG_ENABLE_WAITING_PREFIX_REFRESH``
       (on by default): the ``fcfs`` policy's 1st, 33rd, 65th, ...
       ``calc_priority`` refreshes the prompt paths of the first 128 waiting
       requests; ``"sglang"`` only.
+    low_priority_first: SGLang's ``--schedule-low-priority-values-first``
+      (off by default: higher ``priority`` values go first; vLLM's
+      ``priority`` policy is always lower first); ``"sglang"`` only.
+    priority_preemption: SGLang's priority preemption (on by default;
+      ``False`` is ``--disable-priority-preemption``): with the running
+      slots full, a waiting request preempts running ones whose priority
+      it beats by more than ``priority_preemption_threshold``;
+      ``"sglang"`` only.
+    priority_preemption_threshold: SGLang's
+      ``--priority-scheduling-preemption-threshold`` (default 10);
+      ``"sglang"`` only.
 
   Raises:
     TypeError: a field of the wrong type.
@@ -107,6 +126,9 @@ class ServingConfig:
   semantics: str = "vllm"
   max_prefill_tokens: int = 16384
   waiting_prefix_refresh: bool = True
+  low_priority_first: bool = False
+  priority_preemption: bool = True
+  priority_preemption_threshold: int = 10
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -136,7 +158,12 @@ class ServingConfig:
             f"ServingConfig.scheduler={self.scheduler!r} must be one of "
             f"{sch.scheduler_names()}"
           )
-      elif f.name in ("chunked_prefill", "waiting_prefix_refresh"):
+      elif f.name in (
+        "chunked_prefill",
+        "waiting_prefix_refresh",
+        "low_priority_first",
+        "priority_preemption",
+      ):
         if not isinstance(getattr(self, f.name), bool):
           raise TypeError(
             f"ServingConfig.{f.name} must be a bool, got "
@@ -195,6 +222,19 @@ class ServingConfig:
         "sglang-semantics knob (SGLang's --max-prefill-tokens); vllm "
         "semantics has none"
       )
+    elif knob := next(
+      (
+        (name, getattr(self, name))
+        for name, default in _SGLANG_PRIORITY_KNOBS
+        if getattr(self, name) != default
+      ),
+      None,
+    ):
+      raise ValueError(
+        f"ServingConfig.{knob[0]}={knob[1]!r}: an sglang-semantics knob "
+        "(SGLang's priority scheduling); vLLM's priority policy is always "
+        "lower first and preempts by (priority, arrival), no threshold"
+      )
     elif not self.waiting_prefix_refresh:
       raise ValueError(
         "ServingConfig.waiting_prefix_refresh=False: an sglang-semantics "
@@ -213,6 +253,11 @@ class ServingConfig:
       raise ValueError(
         f"ServingConfig.max_prefill_tokens={self.max_prefill_tokens} must "
         "be >= 1"
+      )
+    if abs(self.priority_preemption_threshold) >= 2**30:
+      raise ValueError(
+        "ServingConfig.priority_preemption_threshold="
+        f"{self.priority_preemption_threshold} must be in (-2**30, 2**30)"
       )
     if self.long_prefill_token_threshold:
       raise ValueError(

@@ -22,7 +22,13 @@ rules are the model's, ``SglangScheduler``): FCFS order and refresh, the
 PrefillAdder's next candidate the waiting request of the client with the
 lowest counter, re-chosen after each admission, counters charged ``1`` per
 prefill token scheduled and ``2`` per token sampled, a returning client
-lifted to the lowest queued counter.
+lifted to the lowest queued counter. ``priority`` is SGLang's
+``--enable-priority-scheduling`` over ``fcfs``: the queue sorted by
+``(priority, entry time)`` (``Consts.pv``: higher first) every step a
+request waits, and, with ``Config.preempt``, ``preempt_to_schedule`` once
+the running slots are full: the least preferred running requests, while
+the candidate beats them by more than ``Config.threshold``, are released
+as a retraction is until the candidate's tokens fit.
 
 Data structures (``V`` pages, page 0 the root; ``R`` requests; ``M`` most
 pages of one request; ``S`` = ``max_running_requests``): pages are trie nodes
@@ -106,9 +112,11 @@ class Config(NamedTuple):
   max_running: int
   chunk: int  # chunked_prefill_size; 0: no chunking
   max_prefill: int
-  policy: str  # "fcfs" | "lpm" | "dfs" | "fair"
+  policy: str  # "fcfs" | "lpm" | "dfs" | "fair" | "priority"
   refresh: bool  # SGLANG_ENABLE_WAITING_PREFIX_REFRESH
   steps: int  # step-buffer rows T
+  preempt: bool = True  # priority: not --disable-priority-preemption
+  threshold: int = 10  # --priority-scheduling-preemption-threshold
 
 
 # ------------------------------------------------------------ request state
@@ -136,6 +144,7 @@ class Reqs(NamedTuple):
   resume_hit: jax.Array
   sched_steps: jax.Array
   prefill_steps: jax.Array
+  entry: jax.Array  # wait_queue_entry_time's order (last queue entry)
 
 
 class State(NamedTuple):
@@ -313,6 +322,15 @@ def _calc_priority(s: State, c: Consts, cfg: Config) -> State:
     return _cond(use_lpm, lpm, fcfs, s)
   if cfg.policy == "dfs":
     return _dfs(s, c, cfg)
+  if cfg.policy == "priority":  # _sort_by_priority_and_fcfs, then refresh
+    r_len = q.waiting.shape[0]
+    order = jnp.lexsort((q.entry, jnp.where(q.waiting, -c.pv, _BIG)))
+    rank = (
+      jnp.zeros((r_len,), jnp.int32)
+      .at[order]
+      .set(jnp.arange(r_len, dtype=jnp.int32))
+    )
+    s = s._replace(q=q._replace(qpos=jnp.where(q.waiting, rank, q.qpos)))
   return fcfs(s)
 
 
@@ -370,12 +388,17 @@ def _prefill(s: State, c: Consts, cfg: Config):
   """``_get_new_batch_prefill_raw`` + ``prepare_for_extend``: (state, n)."""
   K = cfg.page_size
   fair = cfg.policy == "fair"
+  preempt = cfg.policy == "priority" and cfg.preempt
   q = s.q
   nrun = jnp.sum(q.running, dtype=jnp.int32)
   nwait = jnp.sum(q.waiting, dtype=jnp.int32)
   no_chunk = s.chunked < 0
+  if preempt:  # batch_is_full reset to try preemption; no slot shortcut
+    s = s._replace(full=jnp.bool_(False))
   skip = (s.full | (nwait == 0)) & no_chunk
   slots_gone = (cfg.max_running - nrun <= 0) & no_chunk
+  if preempt:
+    slots_gone = jnp.bool_(False)
   s = s._replace(full=jnp.where(~skip & slots_gone, True, s.full))
   go = ~skip & ~slots_gone
 
@@ -456,9 +479,69 @@ def _prefill(s: State, c: Consts, cfg: Config):
 
     cand, ncand = _smallest(q.waiting, q.qpos, cfg.max_running + 1)
 
+    def preempt_for(y, r):
+      """``PrefillAdder.preempt_to_schedule(r)``: (carry, done)."""
+      t, q, b, out, nrun, npre = y
+      S = out["sched_rid"].shape[0]
+      fill = c.prompt[r] + q.n_out[r]
+      rem_total = avail_ev(t).astype(jnp.float32) - b["total_off"]
+      need = (
+        fill - q.prefix[r] + jnp.minimum(c.max_new[r], CLIP_MAX_NEW_TOKENS)
+      ).astype(jnp.float32) - rem_total
+      (idx,) = jnp.nonzero(q.running, size=S, fill_value=0)
+      lanes = jnp.arange(S) < nrun
+      # least preferred first, ties: the latest entry first
+      perm = jnp.lexsort((-q.entry[idx], jnp.where(lanes, c.pv[idx], _BIG)))
+      v = idx[perm]
+      lanes = lanes[perm]
+      left = jnp.minimum(c.max_new - q.n_out, CLIP_MAX_NEW_TOKENS)
+      off = left.astype(jnp.float32) * s.ratio  # [R] each one's offset
+      elig = lanes & (c.pv[r] - c.pv[v] > cfg.threshold)
+      cum = jnp.cumsum(jnp.where(elig, off[v], 0.0))
+      enough = elig & (need - cum <= 0)
+      done = jnp.any(enough)
+      k = i32(jnp.argmax(enough)) + 1
+      r_len = q.running.shape[0]
+      chosen = (  # the padding lanes (all request 0) write nothing
+        jnp.zeros((r_len,), bool)
+        .at[jnp.where(lanes, v, r_len)]
+        .set(done & (jnp.arange(S) < k), mode="drop")
+      )
+      n_before = nrun
+
+      def release(z, u):
+        t, q, b, out, cnt, npre = z
+        b = dict(b, total_off=b["total_off"] - off[u])
+        cnt = cnt + 1
+        t, q = _free_row(t, q, c, u)  # release_req: no checkpoint
+        t = evict_for(t, c, K, (n_before - cnt) * RETRACT_DECODE_STEPS)
+        q = q._replace(
+          prefix=_set(q.prefix, u, 0),
+          kv=_set(q.kv, u, 0),
+          retr=_set(q.retr, u, q.retr[u] + 1),
+          running=_set(q.running, u, False),
+          qpos=_set(q.qpos, u, npre),  # its order of re-entry, for now
+        )
+        n = out["num_preempted"]
+        out = dict(
+          out,
+          preempted=out["preempted"].at[n].set(u, mode="drop"),
+          num_preempted=n + 1,
+        )
+        return t, q, b, out, cnt, npre + 1
+
+      t, q, b, out, cnt, npre = _in_order(
+        chosen, q.rseq, release, (t, q, b, out, i32(0), npre), S, True
+      )
+      return (t, q, b, out, nrun - cnt, npre), done
+
     def body(x):
       t, q, b, out, chunked, full, err, i, _ = x[:9]
       vtc = x[9] if fair else None
+      if preempt:
+        nrun_now, npre = x[9], x[10]
+      else:
+        nrun_now = nrun
       if fair:  # the lowest counter's earliest request, chosen again
         key = jnp.where(q.waiting, vtc[c.client], _BIG)
         best = jnp.min(key)
@@ -470,9 +553,18 @@ def _prefill(s: State, c: Consts, cfg: Config):
         have = i < ncand
       no_token, other = budget(t, b)
       other = other & ~no_token
-      slots = b["nb"] >= cfg.max_running - nrun
-      proceed = have & ~other & ~slots
+      slots = b["nb"] >= cfg.max_running - nrun_now
       full = jnp.where(have & ~other & slots, True, full)
+      if preempt:
+        ask = have & ~other & full
+        (t, q, b, out, nrun_now, npre), won = _when(
+          ask,
+          lambda y: preempt_for(y[0], r),
+          ((t, q, b, out, nrun_now, npre), jnp.bool_(False)),
+        )
+        proceed = have & ~other & (~full | won)
+      else:
+        proceed = have & ~other & ~slots
 
       def try_one(x):
         t, q, b, out, chunked, full, err = x
@@ -480,6 +572,8 @@ def _prefill(s: State, c: Consts, cfg: Config):
         h, t = walk(t, c, r, (fill - 1) // K)
         plen = h * K
         max_new = jnp.clip(c.max_new[r] - q.n_out[r], 0, CLIP_MAX_NEW_TOKENS)
+        if preempt:  # init_next_round_input: the match is the req's prefix
+          q = q._replace(prefix=_set(q.prefix, r, plen))
         extend = fill - plen
         total = extend + max_new + K
         ae = t.free * K + K * locked_path_evictable(t, c, r, h)
@@ -547,6 +641,8 @@ def _prefill(s: State, c: Consts, cfg: Config):
         ((t, q, b, out, chunked, full, err), jnp.bool_(False)),
       )
       y = (t, q, b, out, chunked, full, err, i + 1, more)
+      if preempt:
+        return (*y, nrun_now, npre)
       if not fair:
         return y
       # fair: the admission's tokens, seen by the next choice; the client
@@ -562,10 +658,20 @@ def _prefill(s: State, c: Consts, cfg: Config):
     x = (t, q, b, out, chunked, s.full, jnp.bool_(False), i32(0), True)
     if fair:
       x = (*x, s.vtc, s.vtc_floor)
+    if preempt:
+      x = (*x, nrun, i32(0))
     x = jax.lax.while_loop(cond, body, x)
     t, q, b, out, chunked, full, err = x[:7]
     if fair:
       s = s._replace(vtc=x[9], vtc_floor=x[10])
+    if preempt:  # the preempted re-enter the queue after the pass
+      pre = q.retr > s.q.retr
+      q = q._replace(
+        waiting=q.waiting | pre,
+        qpos=jnp.where(pre, s.qnext + q.qpos, q.qpos),
+        entry=jnp.where(pre, s.qnext + q.qpos, q.entry),
+      )
+      s = s._replace(qnext=s.qnext + x[10])
     # prepare_for_extend
     nb = b["nb"]
     demand = b["ext_sum"] + (nb * K if K > 1 else 0)
@@ -688,6 +794,7 @@ def _decode(s: State, c: Consts, cfg: Config) -> State:
           running=_set(q.running, v, False),
           waiting=_set(q.waiting, v, True),
           qpos=_set(q.qpos, v, qnext),
+          entry=_set(q.entry, v, qnext),
         )
         n = cur["num_preempted"]
         cur = dict(
@@ -824,13 +931,18 @@ def _arrive(s: State, c: Consts, timed: bool, fair: bool = False) -> State:
   if fair:  # only in steps with arrivals (it sorts [R])
     s = _when(any_new, lambda s: _fair_arrivals(s, c, new), s)
     q = s.q
+  # entry order: the new ones' arrival ranks, from qnext on (their ranks
+  # are one run, with gaps only for rejected requests)
+  lo = jnp.min(jnp.where(new, c.arr_rank, _BIG))
+  hi = jnp.max(jnp.where(new, c.arr_rank, -1))
+  pos = s.qnext + c.arr_rank - lo
   q = q._replace(
     arrived=q.arrived | new,
     waiting=q.waiting | new,
-    qpos=jnp.where(new, s.qnext + c.arr_rank, q.qpos),
+    qpos=jnp.where(new, pos, q.qpos),
+    entry=jnp.where(new, pos, q.entry),
   )
-  R = q.waiting.shape[0]
-  return s._replace(q=q, qnext=s.qnext + jnp.where(any_new, R, 0))
+  return s._replace(q=q, qnext=s.qnext + jnp.where(any_new, hi - lo + 1, 0))
 
 
 def _merge(s: State, c: Consts, cfg: Config) -> State:
@@ -1042,7 +1154,7 @@ def init(c: Consts, cfg: Config) -> State:
     n_out=z, prefix=z, extend_end=z, row=z, prot=z, lock_len=z, retr=z,
     hit=m1, first_tok=m1, finish=m1, arrived=f, waiting=f, running=f,
     qpos=z, rseq=z, in_batch=f, matched=z, slot=z, kv=z,
-    first_sched=m1, resume_hit=z, sched_steps=z, prefill_steps=z,
+    first_sched=m1, resume_hit=z, sched_steps=z, prefill_steps=z, entry=z,
   )  # fmt: skip
   out = {}
   for k in RECORD_FIELDS:

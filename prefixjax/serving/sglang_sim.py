@@ -49,6 +49,7 @@ def _prepare(
   tokens,
   arr,
   client=None,
+  priority=None,
 ) -> _Prepared:
   k = config.block_size
   prompts, outputs, prompt_len, max_tokens, rejected = tokens
@@ -66,6 +67,10 @@ def _prepare(
     arrival_frac=arr["arrival_frac"],
     sort_by=arr["sort_by"],
     client=client,
+    pv=None
+    if priority is None
+    else np.asarray(priority, np.int64)
+    * (-1 if config.low_priority_first else 1),
   )
   ok = ~rejected
   work = int(prompt_len[ok].sum()) // max(config.max_num_batched_tokens, 1)
@@ -80,6 +85,11 @@ def _prepare(
     refresh=config.waiting_prefix_refresh,
     steps=rows,
   )
+  if config.scheduler == "priority":  # other policies share one program
+    cfg = cfg._replace(
+      preempt=config.priority_preemption,
+      threshold=config.priority_preemption_threshold,
+    )
   return _Prepared(
     consts,
     cfg,
@@ -90,6 +100,7 @@ def _prepare(
       arrival_s=arr["arrival_s"],
       arrival_msf=arr["arrival_msf"],
       rejected=rejected,
+      priority=None if priority is None else np.asarray(priority, np.int64),
     ),
   )
 
@@ -100,6 +111,7 @@ def simulate_sglang(
   arr: Mapping[str, Any],
   *,
   client=None,
+  priority=None,
   step_time_ms=None,
   max_steps=None,
   timer=None,
@@ -111,12 +123,14 @@ def simulate_sglang(
   by both semantics (``simulate._request_tokens`` of the records after
   ``fan_out``, ``simulate._arrival_arrays``); ``timer`` ``None`` (the steps
   clock) or a clock object; ``client``: ``[R]`` dense client ids (the
-  ``fair`` policy's, ``simulate._clients``; default all 0); ``progress``: a
+  ``fair`` policy's, ``simulate._clients``; default all 0); ``priority``:
+  ``[R]`` ints, ``|p| < 2**30`` (the ``priority`` policy's, records'
+  ``priority``; default all 0); ``progress``: a
   tqdm bar of finished requests on stderr.
   """
   if config.semantics != "sglang":
     raise ValueError("simulate_sglang needs ServingConfig.semantics='sglang'")
-  prep = _prepare(config, tokens, arr, client)
+  prep = _prepare(config, tokens, arr, client, priority)
   num_requests = len(tokens[0])
   cfg = prep.cfg
   if max_steps is not None:
@@ -190,7 +204,7 @@ def _collect(prep: _Prepared, config, final, step_time_ms, timer) -> SimResult:
     resume_hit_tokens=np.asarray(q.resume_hit),
     sched_steps=np.asarray(q.sched_steps),
     prefill_steps=np.asarray(q.prefill_steps),
-    priority=None,
+    priority=h["priority"],
     clock="steps" if timer is None else timer,
     arrival_s=h["arrival_s"],
   )

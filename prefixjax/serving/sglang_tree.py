@@ -54,6 +54,7 @@ class Consts(NamedTuple):
   tin: jax.Array  # [V] int32 pre-order number of the page in the whole trie
   tout: jax.Array  # [V] int32 the last pre-order number of its subtree
   client: jax.Array  # [R] int32 dense client id (``fair``), 0 by default
+  pv: jax.Array  # [R] int32 priority, higher first (``priority``), 0 default
 
 
 def prepare(
@@ -67,6 +68,7 @@ def prepare(
   arrival_frac=None,
   sort_by=None,
   client=None,
+  pv=None,
 ) -> Consts:
   """Host side: page paths, first-32-token groups and arrival ranks.
 
@@ -83,6 +85,8 @@ def prepare(
       ties go by rid.
     client: ``[R]`` dense client ids in ``0 .. R - 1`` (the ``fair``
       policy's clients); all 0 by default.
+    pv: ``[R]`` the ``priority`` policy's priorities, signed so that
+      higher values go first (``|pv| < 2**30``); all 0 by default.
   """
   K = page_size
   R = len(prompts)
@@ -142,6 +146,7 @@ def prepare(
     client=jnp.asarray(
       np.zeros((R,), np.int32) if client is None else client, jnp.int32
     ),
+    pv=jnp.asarray(np.zeros((R,), np.int32) if pv is None else pv, jnp.int32),
   )
 
 

@@ -541,11 +541,31 @@ def _simulate_sglang(
     tokens,
     arr,
     client=_clients(records),
+    priority=_sglang_priorities(records)
+    if config.scheduler == "priority"
+    else None,
     step_time_ms=step_time_ms,
     max_steps=max_steps,
     timer=timer,
     progress=progress,
   )
+
+
+def _sglang_priorities(records) -> np.ndarray:
+  """Each record's ``priority`` (default 0) for SGLang's priority policy,
+  which compares them in int32 on the device: ``|priority| < 2**30``."""
+  out = np.zeros((len(records),), np.int64)
+  for i, rec in enumerate(records):
+    p = rec.get("priority", 0)
+    if isinstance(p, bool) or not isinstance(p, (int, np.integer)):
+      raise ValueError(f"record {i}: priority={p!r} must be an int")
+    if abs(int(p)) >= 2**30:
+      raise ValueError(
+        f"record {i}: priority={p} must be in (-2**30, 2**30) for "
+        "semantics='sglang'"
+      )
+    out[i] = int(p)
+  return out
 
 
 def _run_one(

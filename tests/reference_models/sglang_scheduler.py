@@ -4,11 +4,12 @@ The normal (non-overlap) event loop of ``srt/managers/scheduler.py``
 (``Scheduler.event_loop_normal``) over a paged ``RadixCache`` with LRU
 eviction (the tree verbs are :class:`SglangRadixCache`'s, checked against
 the real cache, see :mod:`tests.reference_models.sglang_radix`), with the
-``fcfs``, ``lpm`` or ``dfs-weight`` (``"dfs"``) schedule policy (or this
-project's ``fair``, VTC over SGLang's loop: see :class:`SglangScheduler`),
-chunked
+``fcfs``, ``lpm`` or ``dfs-weight`` (``"dfs"``) schedule policy, or
+``"priority"`` (``--schedule-policy fcfs --enable-priority-scheduling``, with
+its preemption, see below), or this project's ``fair`` (VTC over SGLang's
+loop: see :class:`SglangScheduler`), chunked
 prefill, no mixed chunks (SGLang's default ``enable_mixed_chunk=False``),
-no priority scheduling, one data-parallel rank. Requests are not
+one data-parallel rank. Requests are not
 ``ignore_eos`` (the scheduler does not know an output stops at
 ``max_new_tokens`` before it does, so the ``new_token_ratio`` estimate
 applies); each stops at its ``max_new_tokens``
@@ -93,7 +94,35 @@ if possible"). Step ``s``:
    K`` tokens are free and takes a page for each request whose KV length is
    a multiple of ``K``; each request samples one token; finished ones are
    released with a checkpoint (``release_kv_cache(checkpoint=True)``).
-6. An iteration with no batch is idle: the ratio resets to 0.7
+6. ``"priority"`` (``--enable-priority-scheduling``; ``managers/
+   scheduler.py _get_new_batch_prefill_raw``, ``schedule_policy.py
+   _sort_by_priority_and_fcfs`` and ``PrefillAdder.preempt_to_schedule``):
+   each request's ``priority`` (record field, default 0; higher values
+   first, or lower with ``--schedule-low-priority-values-first``); every
+   queue entry (arrival, retraction, preemption) stamps
+   ``wait_queue_entry_time`` (``_add_request_to_queue``), and
+   ``calc_priority`` sorts the queue by ``(priority * sign, entry)``, then
+   the FCFS refresh runs on the sorted queue. With preemption (on unless
+   ``--disable-priority-preemption``), ``batch_is_full`` is cleared at every
+   prefill attempt and the no-slot shortcut is skipped, so the queue is
+   ordered every step a request waits; once the slot check sets
+   ``batch_is_full``, each further candidate first calls
+   ``preempt_to_schedule``: running requests, least preferred first (ties:
+   latest entry first), are taken while the candidate's priority beats
+   theirs by more than ``--priority-scheduling-preemption-threshold``
+   (default 10), each lowering ``extend + min(max_new_tokens, 4096) -
+   rem_total`` (``extend`` from the candidate's last match, 0 if never
+   matched or reset) by its ``min(max_new - outputs, 4096) *
+   new_token_ratio``, until it is at most 0; if it never gets there nothing
+   is preempted and admission stops. Otherwise the chosen ones, in batch
+   order, give back their offset, are released as a retraction is
+   (``release_req``: no checkpoint, then ``(running left) * 20`` tokens
+   evicted, ``reset_for_retract``) and the candidate is tried as usual. The
+   preempted requests re-enter the queue after the pass (also when nothing
+   was admitted), in batch order (SGLang keeps them in a ``set``; its order
+   there is the objects' addresses'). Decode retraction stays
+   ``--retraction-policy length``.
+7. An iteration with no batch is idle: the ratio resets to 0.7
    (``Scheduler.on_idle``), and the clock jumps to the next arrival.
 
 Checked against the real code (2026-12-02, scratch environment of
@@ -105,7 +134,8 @@ refresh off, the hits per request equal those of
 order) on 300 generated requests with heavy eviction at page sizes 1, 4
 and 16 (80,650 / 94,664 / 80,208 hit tokens, 0 requests differ). The
 concurrent rules (the PrefillAdder's budgets, ``batch_is_full``,
-retraction, ``new_token_ratio``, ``lpm``) are read from the source only:
+retraction, ``new_token_ratio``, ``lpm``, priority and its preemption) are read
+from the source only:
 the oracle cannot drive SGLang's ``Scheduler`` itself (it needs a model
 runner).
 
@@ -136,7 +166,10 @@ WAITING_QUEUE_PREFIX_MATCH_MAX = 128  # schedule_policy.py
 WAITING_PREFIX_REFRESH_INTERVAL = 32  # schedule_policy.py
 IN_BATCH_CHECK = 32  # IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD
 IN_BATCH_DEPRIORITIZE = 32  # IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD
-POLICIES = ("fcfs", "lpm", "dfs", "fair")  # "dfs": --schedule-policy dfs-weight
+# "dfs": --schedule-policy dfs-weight; "priority": fcfs with
+# --enable-priority-scheduling
+POLICIES = ("fcfs", "lpm", "dfs", "fair", "priority")
+PRIORITY_THRESHOLD = 10  # --priority-scheduling-preemption-threshold
 FAIR_W_IN, FAIR_W_OUT = 1, 2  # VTC's weights (prefixjax's fair defaults)
 
 
@@ -152,6 +185,8 @@ class _Req:
   max_new: int
   arrival_step: int
   client: int = 0
+  priority: int = 0
+  entry: int = 0  # wait_queue_entry_time's order
   n_out: int = 0
   prefix_len: int = 0
   extend_end: int = 0
@@ -202,6 +237,9 @@ class SglangScheduler:
     max_model_len: int,
     policy: str = "fcfs",
     waiting_prefix_refresh: bool = True,
+    low_priority_first: bool = False,
+    priority_preemption: bool = True,
+    priority_threshold: int = PRIORITY_THRESHOLD,
   ):
     if policy not in POLICIES:
       raise ValueError(f"policy {policy!r} not in {POLICIES}")
@@ -228,6 +266,11 @@ class SglangScheduler:
     self.refresh_calls = 0
     self.vtc: dict[int, int] = {}  # fair: client -> counter
     self.vtc_floor = 0
+    self.sign = 1 if low_priority_first else -1  # SchedulePolicy.priority_sign
+    self.preempt = policy == "priority" and priority_preemption
+    self.threshold = priority_threshold
+    self.entries = 0
+    self.preempted: list[_Req] = []  # this step's preemptions
 
   # --------------------------------------------------------------- helpers
   def _keys(self, tokens: Sequence[int]) -> list:
@@ -292,6 +335,8 @@ class SglangScheduler:
   def _calc_priority(self) -> None:
     self.calc_priority_calls += 1
     q = self.waiting
+    if self.policy == "priority":  # _sort_by_priority_and_fcfs
+      q.sort(key=lambda r: (r.priority * self.sign, r.entry))
     if self.policy == "lpm" and len(q) <= WAITING_QUEUE_PREFIX_MATCH_MAX:
       deprioritized = set()
       seen: list[list[int]] = []
@@ -331,10 +376,71 @@ class SglangScheduler:
   def _rem_total(self, total_offset: float) -> float:
     return self._available() + self._evictable() - total_offset
 
+  def _offset(self, r: _Req) -> float:
+    """``_get_running_request_total_token_offset``."""
+    return min(r.max_new - r.n_out, CLIP_MAX_NEW_TOKENS) * self.ratio
+
+  def _preempt_to_schedule(self, req: _Req, total_offset: float):
+    """``PrefillAdder.preempt_to_schedule``: ``(done, total_offset)``."""
+    order = sorted(
+      self.running, key=lambda x: (-x.priority * self.sign, -x.entry)
+    )
+    need = (
+      len(req.fill())
+      - req.prefix_len
+      + min(req.max_new, CLIP_MAX_NEW_TOKENS)
+      - self._rem_total(total_offset)
+    )
+    chosen = []
+    for v in order:
+      if (req.priority - v.priority) * -self.sign > self.threshold:
+        chosen.append(v)
+        need -= self._offset(v)
+        if need <= 0:
+          break
+      else:
+        break
+    if not chosen or need > 0:
+      return False, total_offset
+    ids = {id(v) for v in chosen}
+    n = len(self.running)
+    count = 0
+    for v in self.running:  # batch order
+      if id(v) not in ids:
+        continue
+      total_offset -= self._offset(v)
+      count += 1
+      self._free_row(v)  # release_req: no checkpoint
+      self.tree._evict_for((n - count) * RETRACT_DECODE_STEPS)
+      v.prefix_len = 0
+      v.retractions += 1
+      self.preempted.append(v)
+    self.running = [v for v in self.running if id(v) not in ids]
+    return True, total_offset
+
+  def _enter(self, req: _Req) -> None:
+    """``_add_request_to_queue``: append, stamp the entry time."""
+    req.entry = self.entries
+    self.entries += 1
+    self.waiting.append(req)
+
   def _prefill(self, step: int) -> list[tuple[_Req, int]] | None:
+    start = len(self.preempted)
+    batch = self._prefill_pass(step)
+    for r in self.preempted[start:]:  # back into the queue after the pass
+      self._enter(r)
+    return batch
+
+  def _prefill_pass(self, step: int) -> list[tuple[_Req, int]] | None:
+    if self.preempt:  # reset to try preemption with a prefill adder
+      self.batch_is_full = False
     if (self.batch_is_full or not self.waiting) and self.chunked is None:
       return None
-    if self.max_running - len(self.running) <= 0 and self.chunked is None:
+    if (
+      self.max_running - len(self.running) <= 0
+      and self.chunked is None
+      and not self.preempt
+    ):
       self.batch_is_full = True
       return None
     self._calc_priority()
@@ -388,7 +494,12 @@ class SglangScheduler:
         break
       if len(batch) >= self.max_running - len(self.running):
         self.batch_is_full = True
-        break
+      if self.batch_is_full:
+        if not self.preempt:
+          break
+        done, total_offset = self._preempt_to_schedule(req, total_offset)
+        if not done:
+          break
       prefix_len, node = self._match(req, capped=True)
       req.prefix_len, req.last_node = prefix_len, node
       fill_len = len(req.fill())
@@ -471,7 +582,7 @@ class SglangScheduler:
       if req.client not in queued:
         lift = min((self.vtc.get(u, 0) for u in queued), default=self.vtc_floor)
         self.vtc[req.client] = max(self.vtc.get(req.client, 0), lift)
-    self.waiting.append(req)
+    self._enter(req)
 
   def _finish_prefill(self, batch, step: int) -> None:
     for req, _ in batch:
@@ -524,7 +635,8 @@ class SglangScheduler:
     self.ratio = min(
       1.0, (outs + RETRACT_DECODE_STEPS * len(self.running)) / (maxs + 1)
     )
-    self.waiting.extend(retracted)
+    for r in retracted:
+      self._enter(r)
     return retracted
 
   def _decode(self, step: int) -> tuple[list[_Req], list[_Req]]:
@@ -584,6 +696,7 @@ class SglangScheduler:
           max(o, 1),
           int(arrival_steps[rid]),
           client=int(rec.get("client", 0)),
+          priority=int(rec.get("priority", 0)),
         )
       )
     pending = sorted(
@@ -610,6 +723,7 @@ class SglangScheduler:
       self.running = [r for r in self.running if r.finish_step is None]
       if left or len(self.running) < n or not self.running:
         self.batch_is_full = False
+      self.preempted = []
       chunk_before = self.chunked
       out_before = {id(r): r.n_out for r in reqs}
       batch = self._prefill(step)
@@ -626,7 +740,7 @@ class SglangScheduler:
             step=step,
             kind="prefill",
             sched=[[r.rid, e] for r, e in batch],
-            retracted=[],
+            retracted=[r.rid for r in self.preempted],
             finished=[r.rid for r, _ in batch if r.finish_step == step],
           )
         )
@@ -642,7 +756,7 @@ class SglangScheduler:
             step=step,
             kind="decode",
             sched=[[r.rid, 1] for r in ran],
-            retracted=[r.rid for r in retracted],
+            retracted=[r.rid for r in self.preempted + retracted],
             finished=[r.rid for r in ran if r.finish_step == step],
           )
         )

@@ -232,7 +232,13 @@ def model_kwargs(config) -> dict[str, Any]:
   if kw.pop("semantics", "vllm") != "vllm":
     raise ValueError("this is the vLLM model; see sglang_scheduler.py")
   kw.pop("max_prefill_tokens", None)  # SGLang knobs
-  kw.pop("waiting_prefix_refresh", None)
+  for name in (
+    "waiting_prefix_refresh",
+    "low_priority_first",
+    "priority_preemption",
+    "priority_preemption_threshold",
+  ):
+    kw.pop(name, None)
   return kw
 
 
