@@ -202,9 +202,16 @@ def test_fair_bounds_the_service_gap_under_sglang(rng):
 PRIORITY_CASES = [
   # pages, K, S, chunk, max_prefill, max_model_len, extra config
   (60, 4, 4, 32, 64, 100, {}),  # few slots: preemption
-  (30, 4, 8, 0, 128, 100, {}),  # tight pool, no chunking: retraction too
-  (60, 4, 4, 32, 64, 100, dict(low_priority_first=True)),
-  (60, 4, 4, 32, 64, 100, dict(priority_preemption_threshold=3)),
+  # tight pool, no chunking: retraction too; lower first, threshold 3
+  (
+    30,
+    4,
+    8,
+    0,
+    128,
+    100,
+    dict(low_priority_first=True, priority_preemption_threshold=3),
+  ),
   (60, 4, 4, 32, 64, 100, dict(priority_preemption=False)),
 ]
 
