@@ -32,15 +32,15 @@ PARALLEL_SAMPLING = ("fan_out", "fork")
 SEMANTICS = ("vllm", "sglang")
 """Whose scheduler loop the simulator runs (:class:`ServingConfig`)."""
 SGLANG_POLICIES = ("fcfs", "lpm", "dfs", "fair", "priority")
-_SGLANG_PRIORITY_KNOBS = (
-  ("low_priority_first", False),
-  ("priority_preemption", True),
-  ("priority_preemption_threshold", 10),
-)
 """The schedulers of ``semantics="sglang"``: SGLang's ``--schedule-policy``
 values this project models (``dfs``: ``dfs-weight``), and ``fair``, this
 project's VTC over SGLang's loop (not an SGLang policy; see
 :mod:`prefixjax.serving.sglang_engine`)."""
+_SGLANG_PRIORITY_KNOBS = (  # sglang-only fields, defaults
+  ("low_priority_first", False),
+  ("priority_preemption", True),
+  ("priority_preemption_threshold", 10),
+)
 
 
 @dataclasses.dataclass(frozen=True)

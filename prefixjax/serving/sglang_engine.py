@@ -201,6 +201,27 @@ def _free_row(t: Tree, q: Reqs, c: Consts, r):
   return t, q
 
 
+def _retract_one(t, q, c, K, cur, v, left):
+  """``release_req`` of running request ``v`` (a decode retraction or a
+  priority preemption): its row freed without a checkpoint, ``left * 20``
+  tokens evicted, ``reset_for_retract``, and ``v`` in the step's list."""
+  t, q = _free_row(t, q, c, v)
+  t = evict_for(t, c, K, left * RETRACT_DECODE_STEPS)
+  q = q._replace(
+    prefix=_set(q.prefix, v, 0),
+    kv=_set(q.kv, v, 0),
+    retr=_set(q.retr, v, q.retr[v] + 1),
+    running=_set(q.running, v, False),
+  )
+  n = cur["num_preempted"]
+  cur = dict(
+    cur,
+    preempted=cur["preempted"].at[n].set(v, mode="drop"),
+    num_preempted=n + 1,
+  )
+  return t, q, cur
+
+
 def _release(t, q, c, K, r):
   t, q = _checkpoint(t, q, c, K, r, c.prompt[r] + q.n_out[r] - 1)
   return _free_row(t, q, c, r)
@@ -323,14 +344,7 @@ def _calc_priority(s: State, c: Consts, cfg: Config) -> State:
   if cfg.policy == "dfs":
     return _dfs(s, c, cfg)
   if cfg.policy == "priority":  # _sort_by_priority_and_fcfs, then refresh
-    r_len = q.waiting.shape[0]
-    order = jnp.lexsort((q.entry, jnp.where(q.waiting, -c.pv, _BIG)))
-    rank = (
-      jnp.zeros((r_len,), jnp.int32)
-      .at[order]
-      .set(jnp.arange(r_len, dtype=jnp.int32))
-    )
-    s = s._replace(q=q._replace(qpos=jnp.where(q.waiting, rank, q.qpos)))
+    s = s._replace(q=_requeue(q, -c.pv, tie=q.entry))
   return fcfs(s)
 
 
@@ -357,12 +371,13 @@ def _dfs(s: State, c: Consts, cfg: Config) -> State:
   return s._replace(tree=t, q=q)
 
 
-def _requeue(q: Reqs, key) -> Reqs:
-  """The waiting queue sorted by ``key`` (stable: ties keep queue order),
-  as ``waiting_queue.sort(key=...)``: each waiting request's ``qpos``
-  becomes its rank."""
+def _requeue(q: Reqs, key, tie=None) -> Reqs:
+  """The waiting queue sorted by ``key``, ties by ``tie`` (default the queue
+  order: a stable ``waiting_queue.sort(key=...)``): each waiting request's
+  ``qpos`` becomes its rank."""
   r_len = q.waiting.shape[0]
-  order = jnp.lexsort((q.qpos, jnp.where(q.waiting, key, _BIG)))
+  tie = q.qpos if tie is None else tie
+  order = jnp.lexsort((tie, jnp.where(q.waiting, key, _BIG)))
   rank = (
     jnp.zeros((r_len,), jnp.int32)
     .at[order]
@@ -513,21 +528,9 @@ def _prefill(s: State, c: Consts, cfg: Config):
         t, q, b, out, cnt, npre = z
         b = dict(b, total_off=b["total_off"] - off[u])
         cnt = cnt + 1
-        t, q = _free_row(t, q, c, u)  # release_req: no checkpoint
-        t = evict_for(t, c, K, (n_before - cnt) * RETRACT_DECODE_STEPS)
-        q = q._replace(
-          prefix=_set(q.prefix, u, 0),
-          kv=_set(q.kv, u, 0),
-          retr=_set(q.retr, u, q.retr[u] + 1),
-          running=_set(q.running, u, False),
-          qpos=_set(q.qpos, u, npre),  # its order of re-entry, for now
-        )
-        n = out["num_preempted"]
-        out = dict(
-          out,
-          preempted=out["preempted"].at[n].set(u, mode="drop"),
-          num_preempted=n + 1,
-        )
+        t, q, out = _retract_one(t, q, c, K, out, u, n_before - cnt)
+        # its order of re-entry, for now
+        q = q._replace(qpos=_set(q.qpos, u, npre))
         return t, q, b, out, cnt, npre + 1
 
       t, q, b, out, cnt, npre = _in_order(
@@ -784,23 +787,12 @@ def _decode(s: State, c: Consts, cfg: Config) -> State:
 
       def do(z):
         t, q, kept, qnext, cur = z
-        t, q = _free_row(t, q, c, v)
+        t, q, cur = _retract_one(t, q, c, K, cur, v, nk - 1)
         kept = kept.at[v].set(False)
-        t = evict_for(t, c, K, (nk - 1) * RETRACT_DECODE_STEPS)
         q = q._replace(
-          prefix=_set(q.prefix, v, 0),
-          kv=_set(q.kv, v, 0),
-          retr=_set(q.retr, v, q.retr[v] + 1),
-          running=_set(q.running, v, False),
           waiting=_set(q.waiting, v, True),
           qpos=_set(q.qpos, v, qnext),
           entry=_set(q.entry, v, qnext),
-        )
-        n = cur["num_preempted"]
-        cur = dict(
-          cur,
-          preempted=cur["preempted"].at[n].set(v, mode="drop"),
-          num_preempted=n + 1,
         )
         return t, q, kept, qnext + 1, cur
 

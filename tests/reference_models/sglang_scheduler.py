@@ -321,6 +321,14 @@ class SglangScheduler:
     self._checkpoint(req, req.committed())
     self._free_row(req)
 
+  def _retract_one(self, req: _Req, left: int) -> None:
+    """``release_req``: the row freed without a checkpoint, ``left * 20``
+    tokens evicted, ``reset_for_retract``."""
+    self._free_row(req)
+    self.tree._evict_for(left * RETRACT_DECODE_STEPS)
+    req.prefix_len = 0
+    req.retractions += 1
+
   def _take(self, req: _Req, pages: int) -> None:
     if pages > self.tree.num_free_pages:
       raise OutOfMemory(
@@ -410,10 +418,7 @@ class SglangScheduler:
         continue
       total_offset -= self._offset(v)
       count += 1
-      self._free_row(v)  # release_req: no checkpoint
-      self.tree._evict_for((n - count) * RETRACT_DECODE_STEPS)
-      v.prefix_len = 0
-      v.retractions += 1
+      self._retract_one(v, n - count)
       self.preempted.append(v)
     self.running = [v for v in self.running if id(v) not in ids]
     return True, total_offset
@@ -621,10 +626,7 @@ class SglangScheduler:
         break
       first = False
       req = self.running[order.pop()]
-      self._free_row(req)
-      self.tree._evict_for(len(order) * RETRACT_DECODE_STEPS)
-      req.prefix_len = 0
-      req.retractions += 1
+      self._retract_one(req, len(order))
       retracted.append(req)
     if len(order) <= 1 and not fits(order):
       raise OutOfMemory("the last decoding request does not fit")
