@@ -405,25 +405,32 @@ def test_release_order_is_observable_and_cached_per_version():
 
 def test_release_orders_differ_on_a_generated_workload(rng):
   """The switch changes hits on an ordinary workload in a tight pool (the
-  partly filled last block of every request is reused first in 0.33)."""
-  trace = generate_workload(
-    "multi_turn", num_requests=80, seed=int(rng.integers(0, 2**31))
-  )
-  held = trace.input_lengths + np.maximum(trace.output_lengths, 1) - 1
-  capacity = -(-int(held.max()) // 8) + 8
-  hits = {
-    version: replay_vllm(
-      trace,
-      block_size=8,
-      capacities=[capacity],
-      warmup_fraction=0.0,
-      vllm_version=version,
-    )[0].per_request_hit_tokens.tolist()
-    for version in VERSIONS
-  }
-  assert hits["0.33"] != hits["0.22"]
-  for version, got in hits.items():
-    assert got == _oracle_hits(trace, 8, capacity, version), version
+  partly filled last block of every request is reused first in 0.33).
+
+  About 1 draw in 40 of this shape gives equal hits under both orders
+  (measured on 40 seeds), so up to 5 draws are tried for one where they
+  differ; each tried draw must still match the oracle under both."""
+  for _ in range(5):
+    trace = generate_workload(
+      "multi_turn", num_requests=80, seed=int(rng.integers(0, 2**31))
+    )
+    held = trace.input_lengths + np.maximum(trace.output_lengths, 1) - 1
+    capacity = -(-int(held.max()) // 8) + 8
+    hits = {
+      version: replay_vllm(
+        trace,
+        block_size=8,
+        capacities=[capacity],
+        warmup_fraction=0.0,
+        vllm_version=version,
+      )[0].per_request_hit_tokens.tolist()
+      for version in VERSIONS
+    }
+    for version, got in hits.items():
+      assert got == _oracle_hits(trace, 8, capacity, version), version
+    if hits["0.33"] != hits["0.22"]:
+      break
+  assert hits["0.33"] != hits["0.22"], "5 draws gave equal hits"
 
 
 def test_refuses_unknown_vllm_versions():
