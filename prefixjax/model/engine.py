@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
+from prefixjax._checks import check_int
 from prefixjax.cache import hashing
 from prefixjax.configs import ModelConfig
 from prefixjax.model import forward as fwd
@@ -167,15 +168,6 @@ class GenerateResult:
   logits: list[np.ndarray] | None = None
 
 
-def _int(name: str, value, low: int, high: int | None = None) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise TypeError(f"{name} must be an int, got {value!r}")
-  if value < low or (high is not None and value >= high):
-    rng = f">= {low}" if high is None else f"in [{low}, {high})"
-    raise ValueError(f"{name}={value} must be {rng}")
-  return int(value)
-
-
 @functools.partial(jax.jit, static_argnames=("scheduler",))
 def _schedule(state, reqs, params, *, scheduler):
   state = vllm_v1.admit(state, reqs, scheduler)
@@ -285,7 +277,7 @@ class Engine:
       raise TypeError(
         f"cache_config must be a CacheConfig, got {type(cache_config)}"
       )
-    self.seed = _int("seed", seed, 0, 2**31)
+    self.seed = check_int("seed", seed, 0, 2**31)
     self.model_config = model_config
     self.cache_config = cache_config
     self.serving = cache_config.serving_config(scheduler)
@@ -399,9 +391,9 @@ class Engine:
     temperature = float(temperature)
     if not temperature >= 0:
       raise ValueError(f"temperature={temperature} must be >= 0")
-    seed = self.seed if seed is None else _int("seed", seed, 0, 2**31)
+    seed = self.seed if seed is None else check_int("seed", seed, 0, 2**31)
     if eos_id is not None:
-      eos_id = _int("eos_id", eos_id, 0, v)
+      eos_id = check_int("eos_id", eos_id, 0, v)
     if not isinstance(return_logits, bool):
       raise TypeError(f"return_logits must be a bool, got {return_logits!r}")
     self._calls += 1
@@ -434,7 +426,7 @@ class Engine:
       raise ValueError("prompts is empty")
     if not isinstance(prefix_caching, bool):
       raise TypeError(f"prefix_caching must be a bool, got {prefix_caching!r}")
-    n = _int("n", n, 1)
+    n = check_int("n", n, 1)
     mml = self.cache_config.max_model_len
     v = self.model_config.vocab_size
     if isinstance(max_new_tokens, Sequence):
@@ -444,10 +436,11 @@ class Engine:
           f"{len(prompts)} prompts"
         )
       outs = [
-        _int(f"max_new_tokens[{i}]", m, 1) for i, m in enumerate(max_new_tokens)
+        check_int(f"max_new_tokens[{i}]", m, 1)
+        for i, m in enumerate(max_new_tokens)
       ]
     else:
-      outs = [_int("max_new_tokens", max_new_tokens, 1)] * len(prompts)
+      outs = [check_int("max_new_tokens", max_new_tokens, 1)] * len(prompts)
     records = []
     for i, p in enumerate(prompts):
       a = np.asarray(p)

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from prefixjax import _struct as struct
+from prefixjax._checks import check_int
 from prefixjax._masked import NONE, gather
 from prefixjax.cache import prefix_cache as pc
 from prefixjax.routing import routers as rt
@@ -462,14 +463,6 @@ def _ttft(res: ClusterResult, done, scale) -> dict[str, Any]:
   return m
 
 
-def _int(name, value, low):
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise TypeError(f"{name} must be an int, got {value!r}")
-  if value < low:
-    raise ValueError(f"{name}={value} must be >= {low}")
-  return int(value)
-
-
 def _view_shape(router, reqs, config, capacity, step_time_ms):
   """``(slots, ttl steps)`` of the approximate view: the LRU's capacity in
   blocks, cut to the distinct full prompt blocks of the trace (then it
@@ -545,9 +538,9 @@ def simulate_cluster(
       "simulate_cluster runs parallel_sampling='fan_out' only, got "
       f"{config.parallel_sampling!r}"
     )
-  p = _int("replicas", replicas, 1)
+  p = check_int("replicas", replicas, 1)
   if approx_capacity is not None:
-    _int("approx_capacity", approx_capacity, 1)
+    check_int("approx_capacity", approx_capacity, 1)
   if mode not in MODES:
     raise ValueError(f"mode={mode!r} must be one of {MODES}")
   router = rt.get_router(router, **(router_params or {}))
