@@ -52,7 +52,8 @@ def enable_compile_cache(path: str | os.PathLike | None = None) -> str | None:
   first compilation of the process: JAX reads the setting once.
 
   Args:
-    path: the folder, or ``"off"`` to leave the cache off; ``None`` reads
+    path: the folder, or ``"off"`` to turn the cache off (JAX's own
+      too, where ``JAX_COMPILATION_CACHE_DIR`` names a folder); ``None`` reads
       ``PREFIXJAX_COMPILE_CACHE``, then uses :func:`default_cache_dir`.
 
   Returns:
@@ -65,6 +66,10 @@ def enable_compile_cache(path: str | os.PathLike | None = None) -> str | None:
     if path is None:
       path = default_cache_dir()
   if str(path).strip().lower() in _OFF:
+    # "off" is off even where JAX_COMPILATION_CACHE_DIR names a folder.
+    import jax
+
+    jax.config.update("jax_enable_compilation_cache", False)
     return None
   folder = pathlib.Path(path).expanduser()
   try:
@@ -76,6 +81,7 @@ def enable_compile_cache(path: str | os.PathLike | None = None) -> str | None:
     return None
   import jax
 
+  jax.config.update("jax_enable_compilation_cache", True)
   jax.config.update("jax_compilation_cache_dir", str(folder))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

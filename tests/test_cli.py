@@ -409,3 +409,21 @@ def test_cli_vllm_version_selects_the_free_order(tmp_path, capsys):
   bad = ["replay", "--semantics", "vllm", "--vllm-version", "0.x"]
   assert cli.main(bad) == 2
   assert "vllm_version='0.x' is not supported" in capsys.readouterr().err
+
+
+def test_cli_no_compile_cache_turns_off_jax_own_cache_too(tmp_path):
+  """--no-compile-cache means no cache at all, also when the user has
+  pointed JAX's own cache somewhere (JAX_COMPILATION_CACHE_DIR)."""
+  jax_dir = tmp_path / "jax"
+  env = {
+    **os.environ,
+    "JAX_COMPILATION_CACHE_DIR": str(jax_dir),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+  }
+  env.pop("PREFIXJAX_COMPILE_CACHE", None)
+  argv = [sys.executable, "-m", "prefixjax", "replay", "--capacity", "50"]
+  subprocess.run(
+    [*argv, "--no-compile-cache"], check=True, env=env, capture_output=True
+  )
+  assert not jax_dir.exists() or not any(jax_dir.iterdir())
