@@ -55,6 +55,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from prefixjax._host import to_device
+
 __all__ = [
   "SEED_CHAIN",
   "SEED_EXTRA",
@@ -297,7 +299,7 @@ def block_hashes_batch(sequences, *, block_size: int, max_blocks: int):
     ).reshape(-1, k)
   where = np.full((size,), r * m, np.int64)  # padding rows: dropped
   where[: rows.size] = rows * m + cols
-  return _batch_keys(jnp.asarray(blocks), jnp.asarray(where, jnp.int32), r, m)
+  return _batch_keys(to_device(blocks), to_device(where, jnp.int32), r, m)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))

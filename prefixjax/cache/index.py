@@ -37,6 +37,7 @@ Dimensions: ``C`` slots, ``L`` keys in a batch.
 from __future__ import annotations
 
 import enum
+import functools
 from typing import NamedTuple
 
 import jax
@@ -182,12 +183,19 @@ def init(
       f"{capacity=} too small: {num_keys=} / {max_load=} needs "
       f"{num_keys / max_load:.1f} slots"
     )
+  return _empty(int(capacity), int(min(max_probes, capacity)))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _empty(capacity: int, max_probes: int) -> IndexState:
+  """The empty index of :func:`init`, in one compiled program (outside
+  ``jit`` each array constructor would compile one of its own)."""
   return IndexState(
     keys=jnp.zeros((capacity, 2), jnp.uint32),
     values=jnp.full((capacity,), EMPTY, jnp.int32),
     count=jnp.zeros((), jnp.int32),
     num_tombstones=jnp.zeros((), jnp.int32),
-    max_probes=int(min(max_probes, capacity)),
+    max_probes=max_probes,
   )
 
 

@@ -244,6 +244,13 @@ def init(
     raise ValueError(
       f"{num_blocks=} * {block_size=} token slots overflow int32 slot ids"
     )
+  return _empty(num_blocks, block_size, max_seqs, max_blocks_per_seq)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _empty(num_blocks, block_size, max_seqs, max_blocks_per_seq):
+  """The empty pool of :func:`init`, in one compiled program (outside
+  ``jit`` each array constructor would compile one of its own)."""
   ids = jnp.arange(num_blocks, dtype=jnp.int32)
   # Free queue 1 -> 2 -> ... -> N-1; the null block 0 is not on it.
   free_next = jnp.where(ids + 1 < num_blocks, ids + 1, NO_BLOCK)

@@ -364,6 +364,15 @@ def init(
     capacity=index_capacity,
     max_probes=max_probes,
   )
+  try:
+    hash(policy)
+  except TypeError:  # unhashable parameters: built op by op
+    return _empty(pstate, idx, num_blocks, max_seqs, free_order, policy)
+  return _empty_jit(pstate, idx, num_blocks, max_seqs, free_order, policy)
+
+
+def _empty(pstate, idx, num_blocks, max_seqs, free_order, policy):
+  """The rest of :func:`init`'s empty cache around ``pstate`` and ``idx``."""
   zero = jnp.zeros((), jnp.int32)
   return PrefixCacheState(
     paging=pstate,
@@ -383,6 +392,11 @@ def init(
     free_order=free_order,
     policy=policy,
   )
+
+
+# One compiled program: outside ``jit`` each array constructor would
+# compile one of its own.
+_empty_jit = jax.jit(_empty, static_argnums=(2, 3, 4, 5))
 
 
 def check_state(state) -> None:

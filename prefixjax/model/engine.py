@@ -52,6 +52,7 @@ import numpy as np
 
 import pallas_kernels as pk
 from prefixjax._checks import check_int
+from prefixjax._host import to_device
 from prefixjax.cache import hashing
 from prefixjax.configs import ModelConfig
 from prefixjax.model import forward as fwd
@@ -543,9 +544,9 @@ class Generation:
 
   def _keys(self):
     return _keys(
-      jnp.asarray(self.tokens),
-      jnp.asarray(self.lens),
-      jnp.asarray(self.salt),
+      to_device(self.tokens),
+      to_device(self.lens),
+      to_device(self.salt),
       block_size=self.k,
     )
 
@@ -596,7 +597,7 @@ class Generation:
     arrays, last = fwd.plan_chunks(
       runs, k, eng.num_chunks, eng.serving.max_blocks_per_seq
     )
-    chunks = fwd.Chunks(**{key: jnp.asarray(a) for key, a in arrays.items()})
+    chunks = fwd.Chunks(**{key: to_device(a) for key, a in arrays.items()})
     t1 = time.perf_counter()
     logits, eng.pool = fwd.forward(
       eng.model,
@@ -636,7 +637,7 @@ class Generation:
     lowered |= any(self.max_tokens[c] == 1 for c, *_ in forks)
     reqs = self.reqs
     if lowered:
-      reqs = reqs.replace(max_tokens=jnp.asarray(self.max_tokens))
+      reqs = reqs.replace(max_tokens=to_device(self.max_tokens))
     self.state, rec = _complete(
       plan, reqs, self.params, scheduler=self.scheduler
     )
@@ -689,7 +690,7 @@ class Generation:
       pick[j], uid[j], pos[j] = row, self.uid[c], stop
     toks = np.asarray(
       _sample(
-        logits[jnp.asarray(pick)],
+        logits[to_device(pick)],
         self.seed,
         uid,
         pos,
@@ -737,8 +738,8 @@ class Generation:
       eng = self.eng
       eng.pool = _copy_pages(
         eng.pool,
-        jnp.asarray(src, jnp.int32),
-        jnp.asarray(dst, jnp.int32),
+        to_device(src, jnp.int32),
+        to_device(dst, jnp.int32),
         backend=eng.backend,
         interpret=eng.interpret,
       )

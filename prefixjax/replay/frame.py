@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from prefixjax._host import to_device
+
 __all__ = [
   "Batching",
   "Prepared",
@@ -290,15 +292,15 @@ def compile_and_run(
   ):
     return _sharded_capacities(engine, prepared, list(devices))
   compiled, compile_s = _compile(engine, prepared)
-  caps = jnp.asarray(prepared.capacities, jnp.int32)
   start = time.perf_counter()
   if engine.batching is Batching.ONE_PASS:
     outputs = compiled(prepared.arrays)
   elif engine.batching is Batching.COLUMNS:
-    outputs = compiled(prepared.arrays, jnp.asarray(_columns(prepared)))
-  else:
-    each = [compiled(prepared.arrays, c) for c in caps]
-    outputs = jax.tree.map(lambda *x: jnp.stack(x), *each)
+    outputs = compiled(prepared.arrays, to_device(_columns(prepared)))
+  else:  # stacked on the host: jnp.stack here would compile a program
+    caps = np.asarray(prepared.capacities, np.int32)
+    each = jax.block_until_ready([compiled(prepared.arrays, c) for c in caps])
+    outputs = jax.tree.map(lambda *x: np.stack(x), *each)
   outputs = jax.tree.map(np.asarray, jax.block_until_ready(outputs))
   return outputs, Timing(compile_s, time.perf_counter() - start)
 
@@ -323,7 +325,7 @@ def _sharded_capacities(engine, prepared, devices):
   mesh = Mesh(np.asarray(devices), ("capacities",))
   arrays = jax.device_put(prepared.arrays, NamedSharding(mesh, PartitionSpec()))
   lanes = jax.device_put(
-    jnp.asarray(lanes), NamedSharding(mesh, PartitionSpec("capacities"))
+    to_device(lanes), NamedSharding(mesh, PartitionSpec("capacities"))
   )
   fn = _vmapped(engine.run, tuple(sorted(prepared.static.items())))
   start = time.perf_counter()

@@ -119,6 +119,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from prefixjax._host import to_device
 from prefixjax._masked import NONE, barrier, gather, scatter
 from prefixjax.cache import bitmap
 from prefixjax.replay import frame
@@ -625,11 +626,11 @@ def _prepare(
 ) -> Prepared:
   interval = _check_interval(waiting_refresh_interval)
   plan = plan_pages(trace, block_size)
-  consts = (jnp.asarray(plan.pages.reshape(-1)), jnp.asarray(plan.depth))
+  consts = (to_device(plan.pages.reshape(-1)), to_device(plan.depth))
   xs = (
-    jnp.arange(len(trace), dtype=jnp.int32),
-    jnp.asarray(plan.prompt_lens),
-    jnp.asarray(plan.output_lens),
+    to_device(np.arange(len(trace), dtype=np.int32)),
+    to_device(plan.prompt_lens),
+    to_device(plan.output_lens),
   )
   return Prepared(
     arrays=(consts, xs),

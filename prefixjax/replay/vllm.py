@@ -68,6 +68,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from prefixjax._host import to_device
 from prefixjax.cache import hashing, paging
 from prefixjax.cache import prefix_cache as pc
 from prefixjax.cache.prefix_state import DEFAULT_VLLM_VERSION, vllm_free_order
@@ -312,7 +313,7 @@ def general_hits(
   else:
     run, blocks = _run_keys, _key_matrix(trace, block_size, totals)
     max_blocks = blocks.shape[1]
-  args = (jnp.asarray(blocks), jnp.asarray(prompt_lens), jnp.asarray(totals))
+  args = (to_device(blocks), to_device(prompt_lens), to_device(totals))
   result = []
   for capacity in capacities:
     state = pc.init(

@@ -78,6 +78,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from prefixjax._host import to_device
 from prefixjax._masked import NONE, barrier, gather, scatter
 from prefixjax.replay import frame
 from prefixjax.replay.frame import Batching, Prepared, ReplayEngine
@@ -410,13 +411,13 @@ def _prepare(
   max_blocks = plan.keys.shape[1]
   if width is None:  # one window per request, mostly (2 * M is no faster)
     width = min(_WIDTH, 1 << max(max_blocks - 1, 31).bit_length())
-  consts = (jnp.asarray(plan.first_slot), jnp.asarray(plan.next_slot))
+  consts = (to_device(plan.first_slot), to_device(plan.next_slot))
   xs = (
-    jnp.asarray(plan.keys),
-    jnp.asarray(plan.prompt_lens),
-    jnp.asarray(plan.num_blocks),
-    jnp.asarray(plan.num_full),
-    jnp.asarray(plan.offsets),
+    to_device(plan.keys),
+    to_device(plan.prompt_lens),
+    to_device(plan.num_blocks),
+    to_device(plan.num_full),
+    to_device(plan.offsets),
   )
   return Prepared(
     arrays=(consts, xs),

@@ -486,6 +486,27 @@ def _view_shape(router, reqs, config, capacity, step_time_ms):
   return slots, int(min(np.ceil(spec.ttl_s * 1e3 / step_time_ms), never))
 
 
+@functools.partial(jax.jit, static_argnames=("p", "r", "a", "router"))
+def _initial_cluster(state, ttl, *, p, r, a, router) -> ClusterState:
+  """``p`` copies of one replica's initial ``state``, the router's state
+  and empty cache views (``a`` entries each): one compiled program (op by
+  op outside ``jit``, every constructor would compile its own)."""
+  return ClusterState(
+    replicas=jax.tree.map(lambda x: jnp.stack([x] * p), state),
+    router=router.init(p, r),
+    view_keys=jnp.zeros((p, a, 2), jnp.uint32),
+    view_stamp=jnp.full((p, a), -1, jnp.int32),
+    view_time=jnp.zeros((p, a), jnp.int32),
+    view_ttl=jnp.asarray(ttl, jnp.int32),
+    route=jnp.full((r,), -1, jnp.int32),
+    num_arrived=jnp.int32(0),
+    routed=jnp.int32(0),
+    step=jnp.int32(0),
+    num_steps=jnp.int32(0),
+    error=jnp.int32(0),
+  )
+
+
 def simulate_cluster(
   trace,
   config: ServingConfig,
@@ -564,27 +585,13 @@ def simulate_cluster(
     if mode == "approximate"
     else (1, np.iinfo(np.int32).max)  # no view: one unused slot
   )
-  reps = jax.tree.map(lambda x: jnp.stack([x] * p), state)
+  cs = _initial_cluster(state, ttl, p=p, r=r, a=a, router=router)
   if devices is not None:
     mesh = jax.sharding.Mesh(np.asarray(devices), ("replicas",))
     spec = jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec("replicas")
     )
-    reps = jax.device_put(reps, spec)
-  cs = ClusterState(
-    replicas=reps,
-    router=router.init(p, r),
-    view_keys=jnp.zeros((p, a, 2), jnp.uint32),
-    view_stamp=jnp.full((p, a), -1, jnp.int32),
-    view_time=jnp.zeros((p, a), jnp.int32),
-    view_ttl=jnp.int32(ttl),
-    route=jnp.full((r,), -1, jnp.int32),
-    num_arrived=jnp.int32(0),
-    routed=jnp.int32(0),
-    step=jnp.int32(0),
-    num_steps=jnp.int32(0),
-    error=jnp.int32(0),
-  )
+    cs = cs.replace(replicas=jax.device_put(cs.replicas, spec))
   arrival = np.asarray(reqs.arrival_step)
   plen = np.asarray(reqs.prompt_len)
   mt = np.asarray(reqs.max_tokens)

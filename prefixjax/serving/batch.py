@@ -54,6 +54,13 @@ def _per_config(name: str, value, n: int) -> list:
   return [value] * n
 
 
+@jax.jit
+def _stack(trees):
+  """Equal pytrees stacked leaf by leaf along a new axis 0, in one program
+  (``jnp.stack`` outside ``jit`` compiles one per leaf shape)."""
+  return jax.tree.map(lambda *x: jnp.stack(x), *trees)
+
+
 def simulate_batch(
   trace: Trace | Iterable[Mapping[str, Any]],
   configs: Sequence[ServingConfig],
@@ -145,20 +152,17 @@ def simulate_batch(
     for c, dt, rt, sd in points
   ]
   b0 = builds[0]
-
-  def stack(*xs):
-    return jnp.stack(xs)
-
-  state = jax.tree.map(stack, *[b.state for b in builds])
-  params = jax.tree.map(stack, *[b.params for b in builds])
-  shared = b0.reqs.keys  # equal for equal block sizes and records
-  reqs = jax.tree.map(stack, *[b.reqs.replace(keys=None) for b in builds])
-  reqs = reqs.replace(keys=shared)
-  axes = jax.tree.map(lambda _: 0, reqs.replace(keys=None)).replace(keys=None)
   if vectorize is None:
     vectorize = jax.default_backend() != "cpu"
   if not vectorize:
     return [_run_one(b, max_steps, record_lanes=False) for b in builds]
+
+  state, params, reqs = _stack(
+    [(b.state, b.params, b.reqs.replace(keys=None)) for b in builds]
+  )
+  shared = b0.reqs.keys  # equal for equal block sizes and records
+  reqs = reqs.replace(keys=shared)
+  axes = jax.tree.map(lambda _: 0, reqs.replace(keys=None)).replace(keys=None)
   if devices is not None and len(devices) > 1:
     state, reqs, params = _shard_lanes((state, reqs, params), n, devices)
   retry = max_steps is None

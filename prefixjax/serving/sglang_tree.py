@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from prefixjax._host import to_device
 from prefixjax._masked import barrier
 
 __all__ = [
@@ -126,27 +127,27 @@ def prepare(
   rank = np.empty((R,), np.int32)
   rank[order] = np.arange(R, dtype=np.int32)
   return Consts(
-    pages=jnp.asarray(pages),
-    parent=jnp.asarray(np.asarray(parent, np.int32)),
-    depth=jnp.asarray(np.asarray(depth, np.int32)),
-    prompt=jnp.asarray(np.asarray([len(p) for p in prompts], np.int32)),
-    max_new=jnp.asarray(np.asarray(max_new, np.int32)),
-    arrival=jnp.asarray(arrival),
-    arr_rank=jnp.asarray(rank),
-    g32=jnp.asarray(g32),
-    arr_ms=jnp.asarray(
+    pages=to_device(pages),
+    parent=to_device(np.asarray(parent, np.int32)),
+    depth=to_device(np.asarray(depth, np.int32)),
+    prompt=to_device(np.asarray([len(p) for p in prompts], np.int32)),
+    max_new=to_device(np.asarray(max_new, np.int32)),
+    arrival=to_device(arrival),
+    arr_rank=to_device(rank),
+    g32=to_device(g32),
+    arr_ms=to_device(
       np.zeros((R,), np.int32) if arrival_ms is None else arrival_ms, jnp.int32
     ),
-    arr_frac=jnp.asarray(
+    arr_frac=to_device(
       np.zeros((R,), np.float32) if arrival_frac is None else arrival_frac,
       jnp.float32,
     ),
-    tin=jnp.asarray(tin),
-    tout=jnp.asarray(tout),
-    client=jnp.asarray(
+    tin=to_device(tin),
+    tout=to_device(tout),
+    client=to_device(
       np.zeros((R,), np.int32) if client is None else client, jnp.int32
     ),
-    pv=jnp.asarray(np.zeros((R,), np.int32) if pv is None else pv, jnp.int32),
+    pv=to_device(np.zeros((R,), np.int32) if pv is None else pv, jnp.int32),
   )
 
 

@@ -13,6 +13,7 @@ and :meth:`SimResult.requests` have the keys and values of
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from prefixjax import configs
+from prefixjax._host import to_device
 from prefixjax.cache import hashing
 from prefixjax.cache import prefix_cache as pc
 from prefixjax.serving import roofline
@@ -664,6 +666,46 @@ def fan_out(records: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
   return out
 
 
+@functools.partial(
+  jax.jit,
+  static_argnames=(
+    "num_blocks",
+    "block_size",
+    "max_seqs",
+    "max_blocks_per_seq",
+    "scheduler",
+  ),
+)
+def _initial_state(
+  status,
+  prompt_len,
+  *,
+  num_blocks,
+  block_size,
+  max_seqs,
+  max_blocks_per_seq,
+  scheduler,
+):
+  """An empty cache and the engine state over it, every request waiting to
+  arrive: one compiled program (built op by op outside ``jit``, the ~40
+  array constructors would each compile a program of their own)."""
+  cache = pc.init(
+    num_blocks,
+    block_size,
+    max_seqs=max_seqs,
+    max_blocks_per_seq=max_blocks_per_seq,
+    vllm_version="0.33",
+  )
+  return engine.init_state(
+    cache,
+    jnp.full(status.shape, -1, jnp.int32),
+    0,
+    status,
+    prompt_len,
+    scheduler=scheduler,
+  )
+
+
 def _build(
   records, config, arrivals, step_time_ms, rate, seed, clock, model, hardware
 ) -> _Built:
@@ -692,42 +734,38 @@ def _build(
   if fork_parent is not None:
     child = (fork_parent >= 0) & ~rejected
     status[child] = engine.ReqStatus.DORMANT
-  cache = pc.init(
-    config.num_gpu_blocks,
-    config.block_size,
+  state = _initial_state(
+    to_device(status),
+    to_device(prompt_len),
+    num_blocks=config.num_gpu_blocks,
+    block_size=config.block_size,
     max_seqs=config.max_num_seqs,
     max_blocks_per_seq=config.max_blocks_per_seq,
-    vllm_version="0.33",
-  )
-  state = engine.init_state(
-    cache,
-    jnp.full((r,), -1, jnp.int32),
-    0,
-    jnp.asarray(status),
-    jnp.asarray(prompt_len),
     scheduler=scheduler,
   )
   reqs = engine.RequestTable(
     keys=keys,
-    prompt_len=jnp.asarray(prompt_len),
-    max_tokens=jnp.asarray(max_tokens),
-    arrival_step=jnp.asarray(arrival),
-    arrival_order=jnp.asarray(order),
-    rank=jnp.asarray(rank),
-    prio_key=jnp.asarray(prio_key),
-    client=jnp.asarray(client),
+    prompt_len=to_device(prompt_len),
+    max_tokens=to_device(max_tokens),
+    arrival_step=to_device(arrival),
+    arrival_order=to_device(order),
+    rank=to_device(rank),
+    prio_key=to_device(prio_key),
+    client=to_device(client),
   )
   if timer is not None:
     reqs = reqs.replace(
-      arrival_ms=jnp.asarray(arrival_ms), arrival_frac=jnp.asarray(arrival_frac)
+      arrival_ms=to_device(arrival_ms), arrival_frac=to_device(arrival_frac)
     )
   if fork_parent is not None:
-    reqs = reqs.replace(fork_parent=jnp.asarray(fork_parent))
+    reqs = reqs.replace(fork_parent=to_device(fork_parent))
   params = engine.EngineParams(
-    max_num_batched_tokens=jnp.int32(config.max_num_batched_tokens),
-    max_model_len=jnp.int32(config.max_model_len),
-    chunked_prefill=jnp.bool_(config.chunked_prefill),
-    long_prefill_token_threshold=jnp.int32(config.long_prefill_token_threshold),
+    max_num_batched_tokens=to_device(config.max_num_batched_tokens, np.int32),
+    max_model_len=to_device(config.max_model_len, np.int32),
+    chunked_prefill=to_device(config.chunked_prefill, np.bool_),
+    long_prefill_token_threshold=to_device(
+      config.long_prefill_token_threshold, np.int32
+    ),
   )
   rows = _step_rows(
     prompt_len[~rejected],

@@ -110,6 +110,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from prefixjax._host import to_device
 from prefixjax._masked import NONE, barrier, gather, scatter
 from prefixjax.cache import bitmap
 from prefixjax.replay.frame import Batching, Prepared, ReplayEngine
@@ -725,7 +726,7 @@ def _prepare(plan: ReplayPlan, capacities, *, policy: str, width=None):
   if policy == "fifo":
     xs, request, num_rows, spare = _fifo_chunks(plan, width)
     return Prepared(
-      arrays=tuple(jnp.asarray(a) for a in xs),
+      arrays=tuple(to_device(a) for a in xs),
       capacities=clipped,
       static=dict(policy=policy, num_rows=num_rows, spare=spare),
       context=(plan, request),
@@ -747,11 +748,10 @@ def _prepare(plan: ReplayPlan, capacities, *, policy: str, width=None):
     column(rows, per_event)
     for per_event in (np.arange(plan.num_events), use_ev, plan.next_use)
   ]
-  xs = tuple(jnp.asarray(a) for a in (nodes, first, warm, *columns))
+  xs = tuple(to_device(a) for a in (nodes, first, warm, *columns))
   ev_req = np.r_[plan.request, plan.num_kept + 1]
   consts = tuple(
-    jnp.asarray(a, jnp.int32)
-    for a in (plan.node, ev_start, ev_req, plan.parent)
+    to_device(a, jnp.int32) for a in (plan.node, ev_start, ev_req, plan.parent)
   )
   return Prepared(
     arrays=(xs, consts),

@@ -80,6 +80,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from prefixjax._host import to_device
 from prefixjax._masked import NONE, barrier, gather, scatter, scatter_add
 from prefixjax.replay import frame
 from prefixjax.replay.frame import (
@@ -357,10 +358,10 @@ def _lru_prepare(
   ends = np.repeat(2 * starts + lengths - 1, lengths)
   position = (ends - np.arange(plan.num_events)).astype(np.int32)
   xs = (
-    jnp.asarray(column(rows, plan.node)),
-    jnp.asarray(column(rows, position)),
-    jnp.asarray(first),
-    jnp.asarray(starts[request].astype(np.int32)),
+    to_device(column(rows, plan.node)),
+    to_device(column(rows, position)),
+    to_device(first),
+    to_device(starts[request].astype(np.int32)),
   )
   return Prepared(
     arrays=xs,
@@ -502,7 +503,7 @@ def _belady_prepare(
     raise ValueError(f"keys_per_step={keys_per_step!r} must be an int >= 1")
   request, *rest = _belady_steps(plan, keys_per_step)
   return Prepared(
-    arrays=tuple(map(jnp.asarray, (request, *rest))),
+    arrays=tuple(map(to_device, (request, *rest))),
     capacities=clip_capacities(plan, capacities),
     static=dict(num_keys=plan.num_kept),
     context=(plan, request),

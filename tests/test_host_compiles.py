@@ -1,0 +1,124 @@
+"""Host preparation compiles only the engines' own programs.
+
+Outside ``jit``, ``jnp.asarray(numpy_array)`` and every eager array
+constructor (``jnp.zeros``, ``.at[].set``, ``jnp.stack``) compile a
+one-operation program per new shape in jax 0.10 (10-20 ms each, and too
+small for the persistent cache), which made a warm ``prefixjax replay``
+or ``simulate`` spend a third of its start-up compiling them. These tests
+watch JAX's own compile log (``jax.log_compiles``) during one call on a
+trace of fresh size, so nothing is cached in the process beforehand, and
+fail on any compiled program that is not one of ours.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import prefixjax
+import prefixjax as pj
+from prefixjax import replay as rp
+from prefixjax.routing import simulate_cluster
+from prefixjax.serving import ServingConfig, simulate
+
+# Every program JAX compiles is logged as ``Compiling jit(<name>) ...``.
+_COMPILING = re.compile(r"Compiling jit\((\w+)\)")
+
+
+def _compiled(caplog, fn) -> list[str]:
+  caplog.clear()
+  with caplog.at_level(logging.DEBUG), jax.log_compiles(True):
+    fn()
+  return _COMPILING.findall(caplog.text)
+
+
+@functools.cache
+def _our_names() -> frozenset[str]:
+  """Names of the functions defined in prefixjax's sources, less those
+  that are also jax.numpy / jax.lax names (``scatter``, ``add``, ...)."""
+  root = pathlib.Path(prefixjax.__file__).parent
+  defs = set()
+  for path in root.rglob("*.py"):
+    defs |= set(re.findall(r"^\s*def (\w+)\(", path.read_text(), re.M))
+  return frozenset(defs - set(dir(jnp)) - set(dir(jax.lax)))
+
+
+def _one_op(names: list[str]) -> list[str]:
+  """The compiled names that are not prefixjax functions (a primitive or
+  a jnp function compiled alone)."""
+  return [n for n in names if n not in _our_names()]
+
+
+@pytest.fixture
+def fresh(rng):
+  """A workload of a size no other test uses (so no program of its shapes
+  is compiled in this process yet)."""
+  n = int(rng.integers(41, 97))
+  return pj.default_workload(num_requests=n, seed=int(rng.integers(1000)))
+
+
+def _config(**kw):
+  base = dict(
+    num_gpu_blocks=257,
+    block_size=16,
+    max_num_seqs=8,
+    max_num_batched_tokens=512,
+    max_model_len=4096,
+  )
+  return ServingConfig(**{**base, **kw})
+
+
+def test_simulate_vllm_compiles_only_its_programs(caplog, fresh):
+  names = _compiled(caplog, lambda: simulate(fresh, _config()))
+  assert names, "the compile log was not captured"
+  assert _one_op(names) == [], names
+
+
+def test_simulate_sglang_compiles_only_its_programs(caplog, fresh):
+  names = _compiled(
+    caplog,
+    lambda: simulate(fresh, _config(semantics="sglang", max_model_len=2048)),
+  )
+  assert names, "the compile log was not captured"
+  assert _one_op(names) == [], names
+
+
+@pytest.mark.parametrize(
+  "semantics, policy",
+  [
+    ("kvcache-sim", "fifo"),
+    ("kvcache-sim", "lru_leaf"),
+    ("kvcache-sim", "belady_leaf"),
+    ("vllm", None),
+    ("sglang", None),
+  ],
+)
+def test_replay_compiles_only_its_programs(
+  caplog, fresh, semantics, policy, rng
+):
+  caps = sorted(int(c) for c in rng.choice(np.arange(64, 900), 3, False))
+  kw = {} if policy is None else dict(policy=policy)
+  names = _compiled(
+    caplog,
+    lambda: rp.replay(fresh, semantics=semantics, capacities=caps, **kw),
+  )
+  assert names, "the compile log was not captured"
+  assert _one_op(names) == [], names
+
+
+def test_cluster_compiles_only_its_programs(caplog, fresh):
+  names = _compiled(
+    caplog,
+    lambda: simulate_cluster(
+      fresh, _config(), replicas=2, router="round_robin", step_time_ms=25.0
+    ),
+  )
+  assert names, "the compile log was not captured"
+  assert _one_op(names) == [], names
