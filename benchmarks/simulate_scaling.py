@@ -10,7 +10,8 @@ requests/s at 16 sequences, Vidur 240-290 (issue 14's measurements).
 
 ``--batch 1 16 64``: instead, ``simulate_batch`` of that many
 configurations (200 requests, 16 sequences, per-configuration budgets and
-Poisson rates) vmapped in one program, against one configuration.
+Poisson rates) vmapped in one program, and one after another (second,
+compiled calls; with ``--semantics sglang`` SGLang's loop).
 
 ``--semantics sglang``: SGLang 0.5.23's loop instead (4096 pages,
 ``max_num_seqs`` as ``--max-running-requests``, chunked prefill 2048).
@@ -43,7 +44,7 @@ def main() -> None:
   p.add_argument("--json", metavar="OUT")
   args = p.parse_args()
   if args.batch:
-    return batch(args.batch)
+    return batch(args.batch, args.semantics)
   rows = []
   print(
     f"jax {jax.__version__} on {jax.default_backend()} "
@@ -93,12 +94,20 @@ def main() -> None:
       json.dump(rows, f, indent=2)
 
 
-def batch(sizes) -> None:
+def batch(sizes, semantics: str) -> None:
   trace = default_workload(num_requests=200, seed=0)
   base = dict(
-    num_gpu_blocks=2049, block_size=16, max_num_seqs=16, max_model_len=4096
+    num_gpu_blocks=2049,
+    block_size=16,
+    max_num_seqs=16,
+    max_model_len=4096,
+    semantics=semantics,
   )
-  print(f"{'configs':>8} {'vmapped s':>10}")
+  print(
+    f"jax {jax.__version__} on {jax.default_backend()}, {semantics} "
+    "semantics, 200 requests"
+  )
+  print(f"{'configs':>8} {'vmapped s':>10} {'one by one s':>13}")
   for b in sizes:
     configs = [
       ServingConfig(**base, max_num_batched_tokens=512 + 64 * (i % 8))
@@ -109,12 +118,14 @@ def batch(sizes) -> None:
       rate=[float(r) for r in np.linspace(2, 50, b)],
       seed=list(range(b)),
       step_time_ms=20.0,
-      vectorize=True,
     )
-    serving.simulate_batch(trace, configs, **kw)  # compile
-    t0 = time.perf_counter()
-    serving.simulate_batch(trace, configs, **kw)
-    print(f"{b:>8} {time.perf_counter() - t0:>10.2f}", flush=True)
+    secs = []
+    for vectorize in (True, False):
+      serving.simulate_batch(trace, configs, vectorize=vectorize, **kw)
+      t0 = time.perf_counter()  # the second call: compiled
+      serving.simulate_batch(trace, configs, vectorize=vectorize, **kw)
+      secs.append(time.perf_counter() - t0)
+    print(f"{b:>8} {secs[0]:>10.2f} {secs[1]:>13.2f}", flush=True)
 
 
 if __name__ == "__main__":

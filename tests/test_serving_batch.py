@@ -50,6 +50,51 @@ def test_batch_equals_one_by_one(rng, vectorize):
       g.steps()
 
 
+@pytest.mark.parametrize("vectorize", [False, True], ids=["loop", "vmap"])
+def test_sglang_batch_equals_one_by_one(rng, vectorize):
+  """SGLang's loop with per-configuration budgets (chunked prefill size or
+  none, ``max_prefill_tokens``), Poisson rates and seeds: vmapped (the
+  budgets traced) or one by one, each equals ``simulate`` alone."""
+  trace = _trace(rng)
+  scheduler = str(rng.choice(["fcfs", "lpm", "dfs"]))
+  budgets = [(int(rng.integers(16, 64)), True), (256, False), (64, True)]
+  configs = [
+    ServingConfig(
+      **BASE,
+      semantics="sglang",
+      scheduler=scheduler,
+      max_num_batched_tokens=b,
+      chunked_prefill=c,
+      max_prefill_tokens=int(rng.integers(b, 2 * b + 1)),
+    )
+    for b, c in budgets
+  ]
+  rates = [float(x) for x in rng.uniform(5, 200, 3)]
+  seeds = [int(x) for x in rng.integers(0, 2**31, 3)]
+  kw = dict(arrivals="poisson", step_time_ms=5.0)
+  got = serving.simulate_batch(
+    trace, configs, rate=rates, seed=seeds, vectorize=vectorize, **kw
+  )
+  for config, rate, seed, g in zip(configs, rates, seeds, got, strict=True):
+    ref = serving.simulate(trace, config, rate=rate, seed=seed, **kw)
+    assert g.requests() == ref.requests()
+    assert g.metrics() == ref.metrics()
+    assert not g.lanes_recorded
+
+
+def test_sglang_batch_refuses_mixed_rules(rng):
+  trace = _trace(rng)
+  a = ServingConfig(**BASE, semantics="sglang", max_num_batched_tokens=64)
+  b = ServingConfig(
+    **BASE,
+    semantics="sglang",
+    max_num_batched_tokens=64,
+    waiting_prefix_refresh=False,
+  )
+  with pytest.raises(ValueError, match=r"configs\[1\]\.waiting_prefix_refresh"):
+    serving.simulate_batch(trace, [a, b])
+
+
 def test_batch_refuses_mixed_static_shapes(rng):
   trace = _trace(rng)
   a = ServingConfig(**BASE, max_num_batched_tokens=64)

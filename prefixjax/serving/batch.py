@@ -26,6 +26,7 @@ from prefixjax.serving.simulate import (
   _check_records,
   _collect,
   _run_one,
+  _sglang_inputs,
   _simulate_sglang,
 )
 from prefixjax.workloads import Trace
@@ -81,11 +82,13 @@ def simulate_batch(
   The configurations must share the static shapes, ``num_gpu_blocks``,
   ``block_size``, ``max_num_seqs``, ``max_model_len``, and the scheduler;
   they may differ in ``max_num_batched_tokens``, ``chunked_prefill`` and
-  ``long_prefill_token_threshold``, and each may have its own
-  ``step_time_ms``, ``rate`` and ``seed`` (pass a sequence; a scalar is
-  shared), so a whole load curve (Poisson rates x seeds) is one compiled
-  program. Each result equals :func:`simulate`'s for its configuration,
-  except that only the per-step totals are kept
+  ``long_prefill_token_threshold`` (under ``semantics="sglang"`` also in
+  ``max_prefill_tokens`` and ``priority_preemption_threshold``, and they
+  must share ``waiting_prefix_refresh`` and ``priority_preemption``), and
+  each may have its own ``step_time_ms``, ``rate`` and ``seed`` (pass a
+  sequence; a scalar is shared), so a whole load curve (Poisson rates x
+  seeds) is one compiled program. Each result equals :func:`simulate`'s
+  for its configuration, except that only the per-step totals are kept
   (``SimResult.lanes_recorded`` is False: :meth:`SimResult.metrics` and
   :meth:`SimResult.requests` work, :meth:`SimResult.steps` does not).
 
@@ -139,21 +142,18 @@ def simulate_batch(
       strict=True,
     )
   )
-  if first.semantics == "sglang":  # one after another (not vmapped yet)
-    out = []
-    for c, dt, rt, sd in points:
-      res = _simulate_sglang(
-        records, c, arrivals, dt, rt, sd, max_steps, clock, model, hardware
-      )
-      out.append(dataclasses.replace(res, lanes_recorded=False))
-    return out
+  if vectorize is None:
+    vectorize = jax.default_backend() != "cpu"
+  if first.semantics == "sglang":
+    return _sglang_batch(
+      records, points, arrivals, max_steps, clock, model, hardware,
+      vectorize, devices,
+    )  # fmt: skip
   builds = [
     _build(records, c, arrivals, dt, rt, sd, clock, model, hardware)
     for c, dt, rt, sd in points
   ]
   b0 = builds[0]
-  if vectorize is None:
-    vectorize = jax.default_backend() != "cpu"
   if not vectorize:
     return [_run_one(b, max_steps, record_lanes=False) for b in builds]
 
@@ -191,6 +191,47 @@ def simulate_batch(
     t = jax.tree.map(lambda x, i=i: x[i], trace_out)
     out.append(dataclasses.replace(_collect(b, f, t), lanes_recorded=False))
   return out
+
+
+def _sglang_batch(
+  records, points, arrivals, max_steps, clock, model, hardware, vectorize,
+  devices,
+) -> list[SimResult]:  # fmt: skip
+  """:func:`simulate_batch` under ``semantics="sglang"``: one vmapped loop
+  (:func:`~prefixjax.serving.sglang_sim.simulate_sglang_batch`) or the
+  configurations one after another."""
+  from prefixjax.serving.sglang_sim import BATCH_STATIC, simulate_sglang_batch
+
+  first = points[0][0]
+  for i, (c, *_) in enumerate(points):
+    for name in BATCH_STATIC:
+      if getattr(c, name) != getattr(first, name):
+        raise ValueError(
+          f"configs[{i}].{name} differs from configs[0]'s: under "
+          "semantics='sglang' a batch shares it"
+        )
+  if not vectorize:
+    out = []
+    for c, dt, rt, sd in points:
+      res = _simulate_sglang(
+        records, c, arrivals, dt, rt, sd, max_steps, clock, model, hardware
+      )
+      out.append(dataclasses.replace(res, lanes_recorded=False))
+    return out
+  inputs, timer = [], None
+  for c, dt, rt, sd in points:
+    one, timer = _sglang_inputs(
+      records, c, arrivals, dt, rt, sd, clock, model, hardware
+    )
+    inputs.append(one)
+  return simulate_sglang_batch(
+    [c for c, *_ in points],
+    inputs,
+    step_times=[dt for _, dt, _, _ in points],
+    max_steps=max_steps,
+    timer=timer,
+    devices=devices,
+  )
 
 
 def _shard_lanes(tree, n: int, devices):

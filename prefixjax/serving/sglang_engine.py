@@ -27,7 +27,7 @@ lifted to the lowest queued counter. ``priority`` is SGLang's
 ``(priority, entry time)`` (``Consts.pv``: higher first) every step a
 request waits, and, with ``Config.preempt``, ``preempt_to_schedule`` once
 the running slots are full: the least preferred running requests, while
-the candidate beats them by more than ``Config.threshold``, are released
+the candidate beats them by more than ``Knobs.threshold``, are released
 as a retraction is until the candidate's tokens fit.
 
 Data structures (``V`` pages, page 0 the root; ``R`` requests; ``M`` most
@@ -79,7 +79,9 @@ __all__ = [
   "CLIP_MAX_NEW_TOKENS",
   "Config",
   "Consts",
+  "Knobs",
   "Status",
+  "knobs",
   "prepare",
   "run",
 ]
@@ -105,18 +107,29 @@ class Status:
 
 
 class Config(NamedTuple):
-  """Static shape and knobs (hashable: a ``jax.jit`` static argument)."""
+  """Static shapes and rules (hashable: a ``jax.jit`` static argument)."""
 
   page_size: int
   num_pages: int
   max_running: int
-  chunk: int  # chunked_prefill_size; 0: no chunking
-  max_prefill: int
   policy: str  # "fcfs" | "lpm" | "dfs" | "fair" | "priority"
   refresh: bool  # SGLANG_ENABLE_WAITING_PREFIX_REFRESH
   steps: int  # step-buffer rows T
   preempt: bool = True  # priority: not --disable-priority-preemption
-  threshold: int = 10  # --priority-scheduling-preemption-threshold
+
+
+class Knobs(NamedTuple):
+  """The budgets, traced (``[]`` int32 each), so that configurations that
+  differ only in them share one program and can be ``vmap``-ed."""
+
+  chunk: jax.Array  # chunked_prefill_size; 0: no chunking
+  max_prefill: jax.Array  # max_prefill_tokens
+  threshold: jax.Array  # --priority-scheduling-preemption-threshold
+
+
+def knobs(chunk: int, max_prefill: int, threshold: int = 10) -> Knobs:
+  """:class:`Knobs` from host ints."""
+  return Knobs(*(np.int32(v) for v in (chunk, max_prefill, threshold)))
 
 
 # ------------------------------------------------------------ request state
@@ -399,7 +412,7 @@ def _record(cur, i, rid, tok, kind, ctx):
   )
 
 
-def _prefill(s: State, c: Consts, cfg: Config):
+def _prefill(s: State, c: Consts, cfg: Config, kn: Knobs):
   """``_get_new_batch_prefill_raw`` + ``prepare_for_extend``: (state, n)."""
   K = cfg.page_size
   fair = cfg.policy == "fair"
@@ -423,11 +436,12 @@ def _prefill(s: State, c: Consts, cfg: Config):
     left = jnp.minimum(c.max_new - q.n_out, CLIP_MAX_NEW_TOKENS)
     run_new = jnp.sum(jnp.where(q.running, left, 0), dtype=jnp.int32)
     total_off = run_new.astype(jnp.float32) * s.ratio
-    chunk = cfg.chunk if cfg.chunk else _BIG // 2
+    chunking = kn.chunk > 0
+    chunk = jnp.where(chunking, kn.chunk, _BIG // 2)
     b = dict(
       total_off=total_off,
       cur_off=i32(0),
-      rem_input=i32(cfg.max_prefill),
+      rem_input=i32(kn.max_prefill),
       rem_chunk=i32(chunk),
       nb=i32(0),
       ext_sum=i32(0),
@@ -444,7 +458,7 @@ def _prefill(s: State, c: Consts, cfg: Config):
         total_off=b["total_off"] + (ext + K + max_new).astype(jnp.float32),
         cur_off=b["cur_off"] + ext + K,
         rem_input=b["rem_input"] - ext,
-        rem_chunk=b["rem_chunk"] - (ext if cfg.chunk else 0),
+        rem_chunk=b["rem_chunk"] - jnp.where(chunking, ext, 0),
       )
 
     def budget(t, b):
@@ -511,7 +525,7 @@ def _prefill(s: State, c: Consts, cfg: Config):
       lanes = lanes[perm]
       left = jnp.minimum(c.max_new - q.n_out, CLIP_MAX_NEW_TOKENS)
       off = left.astype(jnp.float32) * s.ratio  # [R] each one's offset
-      elig = lanes & (c.pv[r] - c.pv[v] > cfg.threshold)
+      elig = lanes & (c.pv[r] - c.pv[v] > kn.threshold)
       cum = jnp.cumsum(jnp.where(elig, off[v], 0.0))
       enough = elig & (need - cum <= 0)
       done = jnp.any(enough)
@@ -583,12 +597,13 @@ def _prefill(s: State, c: Consts, cfg: Config):
         ok = total.astype(jnp.float32) + b["total_off"] < ae.astype(jnp.float32)
         ext_tok = -(-extend // K) * K
         reserved_new = jnp.minimum(c.max_new[r], CLIP_MAX_NEW_TOKENS)
-        is_chunk = (cfg.chunk > 0) & (ext_tok > b["rem_chunk"])
+        is_chunk = chunking & (ext_tok > b["rem_chunk"])
         cut = b["rem_chunk"] // K * K
         cut = (plen + cut) // K * K - plen
         other = is_chunk & (cut <= 0)
-        if not cfg.chunk:
-          other = other | ((b["nb"] > 0) & (ext_tok >= b["rem_input"]))
+        other = other | (
+          ~chunking & (b["nb"] > 0) & (ext_tok >= b["rem_input"])
+        )
         err = err | (ok & ~other & is_chunk & (chunked >= 0))
         admit = ok & ~other
         extend = jnp.where(is_chunk, cut, extend)
@@ -980,7 +995,7 @@ def _fresh_cur(S: int) -> dict:
   )  # fmt: skip
 
 
-def _step(s: State, c: Consts, cfg: Config, clock) -> State:
+def _step(s: State, c: Consts, cfg: Config, kn: Knobs, clock) -> State:
   """One loop iteration. The step buffers stay out of every ``cond`` (a
   branch would copy them): the branches leave the step's record in
   ``cur["rec"]`` and it is written once, here."""
@@ -993,7 +1008,7 @@ def _step(s: State, c: Consts, cfg: Config, clock) -> State:
   S = s.cur["sched_rid"].shape[0]
   s = s._replace(cur=_fresh_cur(S))
   n_out_before, chunked_before = s.q.n_out, s.chunked
-  s, nb = _prefill(s, c, cfg)
+  s, nb = _prefill(s, c, cfg, kn)
 
   def prefill_step(s):
     cur = _sched_frag(
@@ -1164,8 +1179,12 @@ def init(c: Consts, cfg: Config) -> State:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "clock", "progress"))
-def run(c: Consts, cfg: Config, clock=None, progress: bool = False) -> State:
+def run(
+  c: Consts, cfg: Config, kn: Knobs, clock=None, progress: bool = False
+) -> State:
   """The whole loop: arrivals, prefill or decode steps, until all finish.
+
+  ``cfg`` is static, ``c`` (the trace) and ``kn`` (the budgets) traced.
 
   ``clock``: ``None`` (steps: ``c.arrival`` are steps) or an object with
   ``step_time_s(new_tokens [S], context_tokens [S])`` (``c.arr_ms`` /
@@ -1178,7 +1197,7 @@ def run(c: Consts, cfg: Config, clock=None, progress: bool = False) -> State:
 
   def body(s):
     row = s.row
-    s = _step(s, c, cfg, clock)
+    s = _step(s, c, cfg, kn, clock)
     if progress:
       every = vllm_v1.PROGRESS_EVERY
       done = jnp.sum(s.q.finish >= 0, dtype=jnp.int32)

@@ -16,6 +16,7 @@ after a retraction / a running request (a decode or a chunk continued).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,7 +28,7 @@ from prefixjax.serving.config import ServingConfig
 from prefixjax.serving.engine_state import StepRecord
 from prefixjax.serving.results import SimResult
 
-__all__ = ["simulate_sglang"]
+__all__ = ["simulate_sglang", "simulate_sglang_batch"]
 
 _STATUS = {
   eng.Status.OK: "OK",
@@ -41,6 +42,7 @@ _STATUS = {
 class _Prepared:
   consts: eng.Consts
   cfg: eng.Config
+  knobs: eng.Knobs
   host: dict[str, Any]
 
 
@@ -79,20 +81,21 @@ def _prepare(
     page_size=k,
     num_pages=config.num_gpu_blocks - 1,
     max_running=config.max_num_seqs,
-    chunk=config.max_num_batched_tokens if config.chunked_prefill else 0,
-    max_prefill=config.max_prefill_tokens,
     policy=config.scheduler,
     refresh=config.waiting_prefix_refresh,
     steps=rows,
   )
   if config.scheduler == "priority":  # other policies share one program
-    cfg = cfg._replace(
-      preempt=config.priority_preemption,
-      threshold=config.priority_preemption_threshold,
-    )
+    cfg = cfg._replace(preempt=config.priority_preemption)
+  knobs = eng.knobs(
+    config.max_num_batched_tokens if config.chunked_prefill else 0,
+    config.max_prefill_tokens,
+    config.priority_preemption_threshold,
+  )
   return _Prepared(
     consts,
     cfg,
+    knobs,
     dict(
       prompt_len=prompt_len,
       max_tokens=max_tokens,
@@ -150,7 +153,9 @@ def simulate_sglang(
     vllm_v1.set_progress_sink(update)
   try:
     while True:
-      final = eng.run(prep.consts, cfg, clock=timer, progress=progress)
+      final = eng.run(
+        prep.consts, cfg, prep.knobs, clock=timer, progress=progress
+      )
       final = jax.device_get(final)
       status = int(final.status)
       if not (max_steps is None and status & eng.Status.STEP_ROWS):
@@ -162,6 +167,96 @@ def simulate_sglang(
       bar.update(num_requests - bar.n)
       bar.close()
   return _collect(prep, config, final, step_time_ms, timer)
+
+
+# The Consts fields that depend on a configuration's arrivals (rate, seed)
+# or priority order; the rest (the trace's page trie) one batch shares.
+_PER_CONFIG = ("arrival", "arr_rank", "arr_ms", "arr_frac", "pv")
+
+# ServingConfig fields behind the static eng.Config of a batch.
+BATCH_STATIC = ("waiting_prefix_refresh", "priority_preemption")
+
+
+@functools.cache
+def _batched_run(cfg: eng.Config, clock):
+  """The loop ``vmap``-ed over the configurations' arrival arrays and
+  knobs, the shared ``Consts`` unbatched; one compiled program per
+  ``(cfg, clock)``."""
+
+  def one(shared, per, kn):
+    return eng.run(shared._replace(**per), cfg, kn, clock=clock)
+
+  return jax.jit(jax.vmap(one, in_axes=(None, 0, 0)))
+
+
+def simulate_sglang_batch(
+  configs, inputs, *, step_times, max_steps=None, timer=None, devices=None
+) -> list[SimResult]:
+  """:func:`simulate_sglang` for many configurations as one ``jax.vmap``-ed
+  loop: the budgets (:class:`~prefixjax.serving.sglang_engine.Knobs`) and
+  the arrival arrays batched, the trace's page trie shared.
+
+  ``inputs``: per configuration, the keyword arguments ``tokens``, ``arr``,
+  ``client`` and ``priority`` of :func:`simulate_sglang`; ``step_times``
+  each one's ``step_time_ms``. The configurations must give one static
+  ``Config`` (block size, pool, ``max_num_seqs``, scheduler and
+  :data:`BATCH_STATIC`; checked by the caller); the step rows are the
+  largest any needs, doubled for all while one runs out. ``devices``:
+  the configurations' axis sharded over them (padded with copies of the
+  last configuration, dropped again). Each result equals
+  :func:`simulate_sglang`'s, with ``lanes_recorded`` False as every
+  :func:`~prefixjax.serving.simulate_batch` result.
+  """
+  preps = [
+    _prepare(c, i["tokens"], i["arr"], i["client"], i["priority"])
+    for c, i in zip(configs, inputs, strict=True)
+  ]
+  steps = max_steps or max(p.cfg.steps for p in preps)
+  cfg = preps[0].cfg._replace(steps=int(steps))
+  for i, p in enumerate(preps):
+    if p.cfg._replace(steps=cfg.steps) != cfg:
+      raise ValueError(
+        f"configs[{i}] needs another compiled program than configs[0] "
+        f"({p.cfg} vs {preps[0].cfg})"
+      )
+  n = len(preps)
+  shared = preps[0].consts
+  lanes = {
+    f: np.stack([np.asarray(getattr(p.consts, f)) for p in preps])
+    for f in _PER_CONFIG
+  }
+  knobs = eng.Knobs(
+    *(np.stack([getattr(p.knobs, f) for p in preps]) for f in eng.Knobs._fields)
+  )
+  pad = 0
+  if devices is not None and len(devices) > 1:
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.asarray(list(devices)), ("configs",))
+    pad = -n % len(devices)
+    split = NamedSharding(mesh, PartitionSpec("configs"))
+    whole = NamedSharding(mesh, PartitionSpec())
+
+    def place(x):
+      x = np.concatenate([x, np.repeat(x[-1:], pad, axis=0)]) if pad else x
+      return jax.device_put(x, split)
+
+    lanes = {f: place(v) for f, v in lanes.items()}
+    knobs = eng.Knobs(*map(place, knobs))
+    shared = jax.device_put(shared, whole)
+  while True:
+    final = _batched_run(cfg, timer)(shared, lanes, knobs)
+    status = np.asarray(final.status)[:n]
+    if not (max_steps is None and np.any(status & eng.Status.STEP_ROWS)):
+      break
+    cfg = cfg._replace(steps=cfg.steps * 2)
+  final = jax.device_get(final)
+  out = []
+  for i, (p, c) in enumerate(zip(preps, configs, strict=True)):
+    f = jax.tree.map(lambda x, i=i: x[i], final)
+    res = _collect(p, c, f, step_times[i], timer)
+    out.append(dataclasses.replace(res, lanes_recorded=False))
+  return out
 
 
 def _status_name(status: int) -> str:

@@ -531,6 +531,25 @@ def _simulate_sglang(
   (:mod:`prefixjax.serving.sglang_sim`)."""
   from prefixjax.serving.sglang_sim import simulate_sglang
 
+  inputs, timer = _sglang_inputs(
+    records, config, arrivals, step_time_ms, rate, seed, clock, model, hardware
+  )
+  return simulate_sglang(
+    config,
+    **inputs,
+    step_time_ms=step_time_ms,
+    max_steps=max_steps,
+    timer=timer,
+    progress=progress,
+  )
+
+
+def _sglang_inputs(
+  records, config, arrivals, step_time_ms, rate, seed, clock, model, hardware
+):
+  """:func:`simulate`'s checks and host preparation for SGLang's loop:
+  (the keyword arguments ``tokens``, ``arr``, ``client``, ``priority`` of
+  :func:`~prefixjax.serving.sglang_sim.simulate_sglang`, the clock)."""
   if step_time_ms is not None and not step_time_ms > 0:
     raise ValueError(f"step_time_ms={step_time_ms!r} must be > 0")
   timer = _clock(clock, model, hardware)
@@ -538,19 +557,13 @@ def _simulate_sglang(
   arr = _arrival_arrays(
     records, arrivals, step_time_ms, rate, seed, timer is not None
   )
-  return simulate_sglang(
-    config,
-    tokens,
-    arr,
-    client=_clients(records),
-    priority=_sglang_priorities(records)
-    if config.scheduler == "priority"
-    else None,
-    step_time_ms=step_time_ms,
-    max_steps=max_steps,
-    timer=timer,
-    progress=progress,
+  priority = (
+    _sglang_priorities(records) if config.scheduler == "priority" else None
   )
+  inputs = dict(
+    tokens=tokens, arr=arr, client=_clients(records), priority=priority
+  )
+  return inputs, timer
 
 
 def _sglang_priorities(records) -> np.ndarray:
