@@ -7,6 +7,7 @@ with per-configuration budgets, chunking, Poisson rates and seeds.
 
 from __future__ import annotations
 
+import jax
 import pytest
 
 import prefixjax as pj
@@ -54,7 +55,9 @@ def test_batch_equals_one_by_one(rng, vectorize):
 def test_sglang_batch_equals_one_by_one(rng, vectorize):
   """SGLang's loop with per-configuration budgets (chunked prefill size or
   none, ``max_prefill_tokens``), Poisson rates and seeds: vmapped (the
-  budgets traced) or one by one, each equals ``simulate`` alone."""
+  budgets traced; the 3 configurations padded to 4 and sharded over 2 of
+  the suite's 8 faked CPU devices) or one by one, each equals
+  ``simulate`` alone."""
   trace = _trace(rng)
   scheduler = str(rng.choice(["fcfs", "lpm", "dfs"]))
   budgets = [(int(rng.integers(16, 64)), True), (256, False), (64, True)]
@@ -72,8 +75,16 @@ def test_sglang_batch_equals_one_by_one(rng, vectorize):
   rates = [float(x) for x in rng.uniform(5, 200, 3)]
   seeds = [int(x) for x in rng.integers(0, 2**31, 3)]
   kw = dict(arrivals="poisson", step_time_ms=5.0)
+  devices = jax.devices()[:2] if vectorize else None
+  assert devices is None or len(devices) == 2
   got = serving.simulate_batch(
-    trace, configs, rate=rates, seed=seeds, vectorize=vectorize, **kw
+    trace,
+    configs,
+    rate=rates,
+    seed=seeds,
+    vectorize=vectorize,
+    devices=devices,
+    **kw,
   )
   for config, rate, seed, g in zip(configs, rates, seeds, got, strict=True):
     ref = serving.simulate(trace, config, rate=rate, seed=seed, **kw)
