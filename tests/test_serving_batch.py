@@ -51,13 +51,12 @@ def test_batch_equals_one_by_one(rng, vectorize):
       g.steps()
 
 
-@pytest.mark.parametrize("vectorize", [False, True], ids=["loop", "vmap"])
-def test_sglang_batch_equals_one_by_one(rng, vectorize):
+def test_sglang_batch_vmapped_equals_one_by_one(rng):
   """SGLang's loop with per-configuration budgets (chunked prefill size or
   none, ``max_prefill_tokens``), Poisson rates and seeds: vmapped (the
   budgets traced; the 3 configurations padded to 4 and sharded over 2 of
-  the suite's 8 faked CPU devices) or one by one, each equals
-  ``simulate`` alone."""
+  the suite's 8 faked CPU devices): each equals ``simulate`` alone (the
+  configurations one by one, the reference)."""
   trace = _trace(rng)
   scheduler = str(rng.choice(["fcfs", "lpm", "dfs"]))
   budgets = [(int(rng.integers(16, 64)), True), (256, False), (64, True)]
@@ -75,14 +74,14 @@ def test_sglang_batch_equals_one_by_one(rng, vectorize):
   rates = [float(x) for x in rng.uniform(5, 200, 3)]
   seeds = [int(x) for x in rng.integers(0, 2**31, 3)]
   kw = dict(arrivals="poisson", step_time_ms=5.0)
-  devices = jax.devices()[:2] if vectorize else None
-  assert devices is None or len(devices) == 2
+  devices = jax.devices()[:2]
+  assert len(devices) == 2
   got = serving.simulate_batch(
     trace,
     configs,
     rate=rates,
     seed=seeds,
-    vectorize=vectorize,
+    vectorize=True,
     devices=devices,
     **kw,
   )
