@@ -103,7 +103,7 @@ def test_simulate_sglang_compiles_only_its_programs(caplog, fresh):
 def test_replay_compiles_only_its_programs(
   caplog, fresh, semantics, policy, rng
 ):
-  caps = sorted(int(c) for c in rng.choice(np.arange(64, 900), 3, False))
+  caps = sorted(int(c) for c in rng.choice(np.arange(512, 2048), 3, False))
   kw = {} if policy is None else dict(policy=policy)
   names = _compiled(
     caplog,
