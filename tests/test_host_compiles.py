@@ -3,11 +3,13 @@
 Outside ``jit``, ``jnp.asarray(numpy_array)`` and every eager array
 constructor (``jnp.zeros``, ``.at[].set``, ``jnp.stack``) compile a
 one-operation program per new shape in jax 0.10 (10-20 ms each, and too
-small for the persistent cache), which made a warm ``prefixjax replay``
-or ``simulate`` spend a third of its start-up compiling them. These tests
+small for the persistent cache); a warm ``prefixjax replay`` of the 12
+Mooncake points compiled ten of them (1.83 s before, 1.69 s after, medians
+of 10 whole processes, benchmarks/RESULTS.md). These tests
 watch JAX's own compile log (``jax.log_compiles``) during one call on a
-trace of fresh size, so nothing is cached in the process beforehand, and
-fail on any compiled program that is not one of ours.
+trace of a random size, so its programs are most likely not cached in
+the process yet, and fail on any compiled program that is not one of
+ours.
 """
 
 from __future__ import annotations
@@ -58,8 +60,9 @@ def _one_op(names: list[str]) -> list[str]:
 
 @pytest.fixture
 def fresh(rng):
-  """A workload of a size no other test uses (so no program of its shapes
-  is compiled in this process yet)."""
+  """A workload of a random size, so its shapes are most likely new to
+  this process (a program compiled for them earlier would hide a
+  regression here, never fail a correct build)."""
   n = int(rng.integers(41, 97))
   return pj.default_workload(num_requests=n, seed=int(rng.integers(1000)))
 
