@@ -179,14 +179,10 @@ BATCH_STATIC = ("waiting_prefix_refresh", "priority_preemption")
 
 @functools.cache
 def _batched_run(cfg: eng.Config, clock):
-  """The loop ``vmap``-ed over the configurations' arrival arrays and
-  knobs, the shared ``Consts`` unbatched; one compiled program per
-  ``(cfg, clock)``."""
-
-  def one(shared, per, kn):
-    return eng.run(shared._replace(**per), cfg, kn, clock=clock)
-
-  return jax.jit(jax.vmap(one, in_axes=(None, 0, 0)))
+  """The loop over the configurations' arrival arrays and knobs (the
+  shared ``Consts`` unbatched), :func:`~prefixjax.serving.sglang_engine.
+  run_batched`; one compiled program per ``(cfg, clock)``."""
+  return jax.jit(functools.partial(eng.run_batched, cfg=cfg, clock=clock))
 
 
 def simulate_sglang_batch(
