@@ -188,9 +188,11 @@ def _batched_run(cfg: eng.Config, clock):
 def simulate_sglang_batch(
   configs, inputs, *, step_times, max_steps=None, timer=None, devices=None
 ) -> list[SimResult]:
-  """:func:`simulate_sglang` for many configurations as one ``jax.vmap``-ed
-  loop: the budgets (:class:`~prefixjax.serving.sglang_engine.Knobs`) and
-  the arrival arrays batched, the trace's page trie shared.
+  """:func:`simulate_sglang` for many configurations as one loop whose
+  steps are ``jax.vmap``-ed
+  (:func:`~prefixjax.serving.sglang_engine.run_batched`): the budgets
+  (:class:`~prefixjax.serving.sglang_engine.Knobs`) and the arrival arrays
+  batched, the trace's page trie shared.
 
   ``inputs``: per configuration, the keyword arguments ``tokens``, ``arr``,
   ``client`` and ``priority`` of :func:`simulate_sglang`; ``step_times``
