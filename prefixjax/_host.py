@@ -7,11 +7,17 @@ a one-operation program, traced, lowered and compiled for every new shape
 (10-20 ms each on a 2-core CPU, too small for the persistent compilation
 cache to keep). Host preparation moves a dozen trace-sized arrays per
 call, so the engines' host sides use :func:`to_device` instead.
+
+:func:`shard_lanes` and :func:`replicate` place a batch of configurations
+(its leading axis) and what they share on several devices.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -21,3 +27,37 @@ def to_device(x, dtype=None) -> jax.Array:
   value and dtype as ``jnp.asarray(x, dtype)`` (64-bit types narrowed
   unless x64 is on)."""
   return jax.device_put(np.asarray(x, dtype=dtype))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _pad_lanes(tree, pad: int):
+  """Each leaf's leading axis extended by ``pad`` copies of its last row,
+  in one program."""
+  return jax.tree.map(
+    lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], pad, axis=0)]), tree
+  )
+
+
+def shard_lanes(tree, devices, axis_name: str = "configs"):
+  """``tree``'s leaves (equal leading axes, the lanes) padded to a
+  multiple of ``len(devices)`` with copies of the last lane and split
+  over a one-axis :class:`jax.sharding.Mesh` named ``axis_name``. The
+  caller drops the padded lanes from the results."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  n = {x.shape[0] for x in jax.tree.leaves(tree)}
+  if len(n) != 1:
+    raise ValueError(f"lanes of different lengths {sorted(n)}")
+  pad = -n.pop() % len(devices)
+  if pad:
+    tree = _pad_lanes(tree, pad)
+  mesh = Mesh(np.asarray(list(devices)), (axis_name,))
+  return jax.device_put(tree, NamedSharding(mesh, PartitionSpec(axis_name)))
+
+
+def replicate(tree, devices):
+  """``tree`` whole on every device of ``devices``."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  mesh = Mesh(np.asarray(list(devices)), ("all",))
+  return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))

@@ -12,6 +12,7 @@ import pytest
 
 import prefixjax as pj
 from prefixjax import serving
+from prefixjax.configs import HARDWARE
 from prefixjax.serving import ServingConfig
 
 BASE = dict(num_gpu_blocks=60, block_size=8, max_num_seqs=4, max_model_len=256)
@@ -29,8 +30,15 @@ def _trace(rng):
   )
 
 
-@pytest.mark.parametrize("vectorize", [False, True], ids=["loop", "vmap"])
-def test_batch_equals_one_by_one(rng, vectorize):
+@pytest.mark.parametrize(
+  "vectorize, clock",
+  [(False, "steps"), (True, "steps"), (True, "roofline")],
+  ids=["loop", "vmap", "vmap-roofline"],
+)
+def test_batch_equals_one_by_one(rng, vectorize, clock):
+  """Each configuration of a batch equals ``simulate`` alone; vmapped,
+  the 3 configurations are padded to 4 and sharded over 2 of the suite's
+  faked CPU devices."""
   trace = _trace(rng)
   configs = [
     ServingConfig(**BASE, max_num_batched_tokens=int(b), chunked_prefill=c)
@@ -38,9 +46,20 @@ def test_batch_equals_one_by_one(rng, vectorize):
   ]
   rates = [float(x) for x in rng.uniform(5, 200, 3)]
   seeds = [int(x) for x in rng.integers(0, 2**31, 3)]
-  kw = dict(arrivals="poisson", step_time_ms=5.0)
+  kw = dict(arrivals="poisson", clock=clock)
+  if clock == "roofline":
+    kw.update(model="llama3_8b", hardware=str(rng.choice(list(HARDWARE))))
+  else:
+    kw.update(step_time_ms=5.0)
+  devices = jax.devices()[:2] if vectorize else None
   got = serving.simulate_batch(
-    trace, configs, rate=rates, seed=seeds, vectorize=vectorize, **kw
+    trace,
+    configs,
+    rate=rates,
+    seed=seeds,
+    vectorize=vectorize,
+    devices=devices,
+    **kw,
   )
   for config, rate, seed, g in zip(configs, rates, seeds, got, strict=True):
     ref = serving.simulate(trace, config, rate=rate, seed=seed, **kw)

@@ -8,7 +8,6 @@ same compiled program; see its docstring.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -17,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from prefixjax import configs as _configs
+from prefixjax._host import replicate, shard_lanes
 from prefixjax.serving import vllm_v1 as engine
 from prefixjax.serving.config import ServingConfig
 from prefixjax.serving.results import SimResult
@@ -161,24 +161,21 @@ def simulate_batch(
     [(b.state, b.params, b.reqs.replace(keys=None)) for b in builds]
   )
   shared = b0.reqs.keys  # equal for equal block sizes and records
-  reqs = reqs.replace(keys=shared)
-  axes = jax.tree.map(lambda _: 0, reqs.replace(keys=None)).replace(keys=None)
   if devices is not None and len(devices) > 1:
-    state, reqs, params = _shard_lanes((state, reqs, params), n, devices)
+    state, reqs, params = shard_lanes((state, reqs, params), devices)
+    shared = replicate(shared, devices)
   retry = max_steps is None
   steps = max_steps or max(b.rows for b in builds)
   while True:
-    run = jax.vmap(
-      functools.partial(
-        engine.run,
-        max_steps=steps,
-        scheduler=b0.scheduler,
-        clock=b0.timer,
-        record_lanes=False,
-      ),
-      in_axes=(0, axes, 0),
+    final, trace_out = engine.run_batched(
+      state,
+      reqs,
+      params,
+      shared,
+      max_steps=steps,
+      scheduler=b0.scheduler,
+      clock=b0.timer,
     )
-    final, trace_out = run(state, reqs, params)
     errors = np.asarray(final.error)
     if not (retry and np.any(errors == engine.SimStatus.OUT_OF_STEPS)):
       break
@@ -232,30 +229,3 @@ def _sglang_batch(
     timer=timer,
     devices=devices,
   )
-
-
-def _shard_lanes(tree, n: int, devices):
-  """Pads the leading (configuration) axis to a multiple of the device
-  count and shards it over a one-axis mesh; unbatched leaves (the shared
-  keys, ``None``) are replicated."""
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-  mesh = Mesh(np.asarray(list(devices)), ("configs",))
-  pad = -n % len(devices)
-  lanes = NamedSharding(mesh, PartitionSpec("configs"))
-  whole = NamedSharding(mesh, PartitionSpec())
-
-  def place(x):
-    if x.ndim == 0 or x.shape[0] != n:
-      return jax.device_put(x, whole)
-    if pad:
-      x = jnp.concatenate([x, jnp.repeat(x[-1:], pad, axis=0)])
-    return jax.device_put(x, lanes)
-
-  state, reqs, params = tree
-  keys = reqs.keys
-  state, params = jax.tree.map(place, (state, params))
-  reqs = jax.tree.map(place, reqs.replace(keys=None)).replace(
-    keys=jax.device_put(keys, whole)
-  )
-  return state, reqs, params

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from prefixjax._host import replicate, shard_lanes
 from prefixjax.serving import sglang_engine as eng
 from prefixjax.serving.config import ServingConfig
 from prefixjax.serving.engine_state import StepRecord
@@ -226,22 +227,9 @@ def simulate_sglang_batch(
   knobs = eng.Knobs(
     *(np.stack([getattr(p.knobs, f) for p in preps]) for f in eng.Knobs._fields)
   )
-  pad = 0
   if devices is not None and len(devices) > 1:
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    mesh = Mesh(np.asarray(list(devices)), ("configs",))
-    pad = -n % len(devices)
-    split = NamedSharding(mesh, PartitionSpec("configs"))
-    whole = NamedSharding(mesh, PartitionSpec())
-
-    def place(x):
-      x = np.concatenate([x, np.repeat(x[-1:], pad, axis=0)]) if pad else x
-      return jax.device_put(x, split)
-
-    lanes = {f: place(v) for f, v in lanes.items()}
-    knobs = eng.Knobs(*map(place, knobs))
-    shared = jax.device_put(shared, whole)
+    lanes, knobs = shard_lanes((lanes, knobs), devices)
+    shared = replicate(shared, devices)
   while True:
     final = _batched_run(cfg, timer)(shared, lanes, knobs)
     status = np.asarray(final.status)[:n]

@@ -824,6 +824,121 @@ def _report_progress(done, steps) -> None:
     _SINK[0](int(done), int(steps))
 
 
+def _pending(st: EngineState) -> jax.Array:
+  return st.num_running + st.num_waiting > 0
+
+
+def _more(st: EngineState, reqs: RequestTable) -> jax.Array:
+  return st.num_arrived < reqs.arrival_order.shape[0]
+
+
+def _going(st: EngineState, reqs: RequestTable, max_steps: int) -> jax.Array:
+  """The loop goes on: no error, steps left, requests left."""
+  return (
+    (st.error == SimStatus.OK)
+    & (st.num_steps < max_steps)
+    & (_pending(st) | _more(st, reqs))
+  )
+
+
+def _to_next_arrival(st, reqs, timed: bool, go=True):
+  """The time (or step) of the next arrival, if one is left (and ``go``)."""
+  rid = gather(reqs.arrival_order, st.num_arrived[None], NONE)[0]
+  more = _more(st, reqs)
+  if timed:
+    ms = gather(reqs.arrival_ms, rid[None], 0)[0]
+    frac = gather(reqs.arrival_frac, rid[None], 0)[0]
+    later = go & more & ~_reached(ms, frac, st)
+    return st.replace(
+      time_ms=jnp.where(later, ms, st.time_ms),
+      time_frac=jnp.where(later, frac, st.time_frac),
+    )
+  nxt = jnp.where(
+    go & more, gather(reqs.arrival_step, rid[None], 0)[0], st.step
+  )
+  nxt = jnp.maximum(nxt, st.step)
+  return st.replace(step=nxt, idle_steps=st.idle_steps + nxt - st.step)
+
+
+def _advance(st, reqs, params, scheduler, clock, max_steps, progress=False):
+  """One iteration of :func:`run`'s loop without the step buffers:
+  ``(state, record, row)``, ``row`` the buffer row the record goes to
+  (``max_steps``, out of range, when the iteration executed no step)."""
+  timed = clock is not None
+  # An empty engine jumps to the next arrival (no jump when one is due
+  # now), then the due arrivals are queued; no lax.cond: a step with
+  # nothing to do changes nothing.
+  st = _to_next_arrival(st, reqs, timed, ~_pending(st))
+  st = admit(st, reqs, scheduler, timed)
+  st, rec = step(st, reqs, params, scheduler, clock)
+  ran = rec.sched_rid[0] >= 0
+  row = jnp.where(ran, st.num_steps, max_steps)
+  more = _more(st, reqs)
+  stalled = (~ran) & _pending(st) & ~more
+  wait = (~ran) & _pending(st) & more  # time passes until an arrival
+  if timed:
+    st = _add_ms(st, jnp.where(ran, rec.dt_s * 1e3, 0))
+    st = _to_next_arrival(st, reqs, timed, wait)
+    wait = jnp.bool_(False)
+  if progress:
+    done = st.num_arrived - st.num_running - st.num_waiting
+    jax.lax.cond(
+      ran & (st.num_steps % PROGRESS_EVERY == PROGRESS_EVERY - 1),
+      lambda: jax.debug.callback(_report_progress, done, st.num_steps + 1),
+      lambda: None,
+    )
+  st = st.replace(
+    step=st.step + (ran | wait).astype(jnp.int32),
+    num_steps=st.num_steps + ran.astype(jnp.int32),
+    error=jnp.where(
+      stalled & (st.error == SimStatus.OK),
+      jnp.int32(SimStatus.STALLED),
+      st.error,
+    ),
+  )
+  return st, rec, row
+
+
+def _write(trace: StepTrace, rec: StepRecord, row, max_steps) -> StepTrace:
+  """``rec`` into row ``row`` of the buffers, nothing when ``row`` is
+  ``max_steps``; a one-row (unrecorded) buffer takes every record in its
+  row 0."""
+  keep = row < max_steps
+
+  def put(buf, x):
+    t = buf.shape[0]
+    return buf.at[jnp.where(keep, row if t > 1 else 0, t)].set(x, mode="drop")
+
+  return jax.tree.map(put, trace, rec)
+
+
+def _trace0(state, reqs, params, scheduler, clock, max_steps, record_lanes):
+  """Empty step buffers: ``[T]`` per ``[]`` field, ``[T, S]`` (or one
+  scratch row ``[1, S]`` when not ``record_lanes``) per ``[S]`` field."""
+  _, rec0 = jax.eval_shape(
+    functools.partial(step, scheduler=scheduler, clock=clock),
+    state,
+    reqs,
+    params,
+  )
+
+  def rows(x):
+    return max_steps if (record_lanes or x.ndim == 0) else 1
+
+  return jax.tree.map(lambda x: jnp.zeros((rows(x), *x.shape), x.dtype), rec0)
+
+
+def _finish(st: EngineState, reqs: RequestTable) -> EngineState:
+  """``OUT_OF_STEPS`` when the loop ended with requests left."""
+  return st.replace(
+    error=jnp.where(
+      (st.error == SimStatus.OK) & (_pending(st) | _more(st, reqs)),
+      jnp.int32(SimStatus.OUT_OF_STEPS),
+      st.error,
+    )
+  )
+
+
 @functools.partial(
   jax.jit,
   static_argnames=(
@@ -837,103 +952,64 @@ def _report_progress(done, steps) -> None:
 def _run(
   state, reqs, params, *, max_steps, scheduler, clock, record_lanes, progress
 ):
-  r_len = reqs.arrival_order.shape[0]
-  timed = clock is not None
-  _, rec0 = jax.eval_shape(
-    functools.partial(step, scheduler=scheduler, clock=clock),
-    state,
-    reqs,
-    params,
+  trace0 = _trace0(
+    state, reqs, params, scheduler, clock, max_steps, record_lanes
   )
-
-  def rows(x):  # unrecorded [S] fields keep one scratch row
-    return max_steps if (record_lanes or x.ndim == 0) else 1
-
-  trace0 = jax.tree.map(lambda x: jnp.zeros((rows(x), *x.shape), x.dtype), rec0)
-
-  def pending(st):
-    return st.num_running + st.num_waiting > 0
-
-  def more(st):
-    return st.num_arrived < r_len
-
-  def cond(carry):
-    st, _ = carry
-    return (
-      (st.error == SimStatus.OK)
-      & (st.num_steps < max_steps)
-      & (pending(st) | more(st))
-    )
-
-  def to_next_arrival(st, go=True):
-    """The time (or step) of the next arrival, if one is left (and ``go``)."""
-    rid = gather(reqs.arrival_order, st.num_arrived[None], NONE)[0]
-    if timed:
-      ms = gather(reqs.arrival_ms, rid[None], 0)[0]
-      frac = gather(reqs.arrival_frac, rid[None], 0)[0]
-      later = go & more(st) & ~_reached(ms, frac, st)
-      return st.replace(
-        time_ms=jnp.where(later, ms, st.time_ms),
-        time_frac=jnp.where(later, frac, st.time_frac),
-      )
-    nxt = jnp.where(
-      go & more(st), gather(reqs.arrival_step, rid[None], 0)[0], st.step
-    )
-    nxt = jnp.maximum(nxt, st.step)
-    return st.replace(step=nxt, idle_steps=st.idle_steps + nxt - st.step)
-
-  def work(carry):
-    st, trace = carry
-    st, rec = step(st, reqs, params, scheduler, clock)
-    ran = rec.sched_rid[0] >= 0
-    trace = jax.tree.map(
-      lambda buf, x: buf.at[
-        jnp.where(ran, jnp.minimum(st.num_steps, buf.shape[0] - 1), max_steps)
-        if buf.shape[0] == 1
-        else jnp.where(ran, st.num_steps, max_steps)
-      ].set(x, mode="drop"),
-      trace,
-      rec,
-    )
-    stalled = (~ran) & pending(st) & ~more(st)
-    wait = (~ran) & pending(st) & more(st)  # time passes until an arrival
-    if timed:
-      st = _add_ms(st, jnp.where(ran, rec.dt_s * 1e3, 0))
-      st = to_next_arrival(st, wait)
-      wait = jnp.bool_(False)
-    if progress:
-      done = st.num_arrived - st.num_running - st.num_waiting
-      jax.lax.cond(
-        ran & (st.num_steps % PROGRESS_EVERY == PROGRESS_EVERY - 1),
-        lambda: jax.debug.callback(_report_progress, done, st.num_steps + 1),
-        lambda: None,
-      )
-    st = st.replace(
-      step=st.step + (ran | wait).astype(jnp.int32),
-      num_steps=st.num_steps + ran.astype(jnp.int32),
-      error=jnp.where(
-        stalled & (st.error == SimStatus.OK),
-        jnp.int32(SimStatus.STALLED),
-        st.error,
-      ),
-    )
-    return st, trace
 
   def body(carry):
     st, trace = carry
-    # An empty engine jumps to the next arrival (no jump when one is due
-    # now), then the due arrivals are queued; no lax.cond: a step with
-    # nothing to do changes nothing.
-    st = to_next_arrival(st, ~pending(st))
-    st = admit(st, reqs, scheduler, timed)
-    return work((st, trace))
-
-  st, trace = jax.lax.while_loop(cond, body, (state, trace0))
-  st = st.replace(
-    error=jnp.where(
-      (st.error == SimStatus.OK) & (pending(st) | more(st)),
-      jnp.int32(SimStatus.OUT_OF_STEPS),
-      st.error,
+    st, rec, row = _advance(
+      st, reqs, params, scheduler, clock, max_steps, progress
     )
+    return st, _write(trace, rec, row, max_steps)
+
+  st, trace = jax.lax.while_loop(
+    lambda carry: _going(carry[0], reqs, max_steps), body, (state, trace0)
   )
-  return st, trace
+  return _finish(st, reqs), trace
+
+
+@functools.partial(jax.jit, static_argnames=("max_steps", "scheduler", "clock"))
+def run_batched(state, reqs, params, keys, *, max_steps, scheduler, clock=None):
+  """:func:`run` (``record_lanes=False``) for a leading configuration
+  axis: ``state``, ``params`` and ``reqs`` (its ``keys`` None) are batched
+  ``[n, ...]``; ``keys``, the prompts' block keys, are shared. Each lane's
+  ``(final_state, StepTrace)`` equals :func:`run`'s.
+
+  Not ``jax.vmap(run)``: a vmapped ``while_loop`` with a per-lane
+  predicate selects every carry between its old and new value each
+  iteration, the ``[n, T]`` step buffers included (a full copy per step).
+  Here the loop runs while any lane goes, the steps are vmapped, a lane
+  that has stopped keeps its state (a select over the state alone), and
+  the buffers are written in place at the row of each lane that stepped.
+  """
+  scheduler = sch.get_scheduler(scheduler)
+
+  def lane(fn):
+    return jax.vmap(lambda s, r, *a: fn(s, r.replace(keys=keys), *a))
+
+  trace = lane(
+    lambda s, r, p: _trace0(s, r, p, scheduler, clock, max_steps, False)
+  )(state, reqs, params)
+  going = lane(lambda s, r: _going(s, r, max_steps))
+
+  def body(carry):
+    st, trace = carry
+    go = going(st, reqs)
+    new, rec, row = lane(
+      lambda s, r, p: _advance(s, r, p, scheduler, clock, max_steps)
+    )(st, reqs, params)
+    st = jax.tree.map(
+      lambda a, b: jnp.where(go.reshape((-1,) + (1,) * (a.ndim - 1)), a, b),
+      new,
+      st,
+    )
+    row = jnp.where(go, row, max_steps)
+    return st, jax.vmap(_write, in_axes=(0, 0, 0, None))(
+      trace, rec, row, max_steps
+    )
+
+  st, trace = jax.lax.while_loop(
+    lambda carry: jnp.any(going(carry[0], reqs)), body, (state, trace)
+  )
+  return lane(_finish)(st, reqs), trace
