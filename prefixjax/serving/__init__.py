@@ -12,7 +12,6 @@
 """
 
 from prefixjax.serving import roofline, schedulers, vllm_v1
-from prefixjax.serving.batch import simulate_batch
 from prefixjax.serving.config import ServingConfig
 from prefixjax.serving.results import SimResult
 from prefixjax.serving.schedulers import (
@@ -29,6 +28,7 @@ from prefixjax.serving.simulate import (
   fabricated_token,
   records_from_trace,
   simulate,
+  simulate_batch,
 )
 
 __all__ = [

@@ -1214,7 +1214,7 @@ def run(
       done = jnp.sum(s.q.finish >= 0, dtype=jnp.int32)
       jax.lax.cond(
         (s.row > row) & (s.row % every == 0),
-        lambda: jax.debug.callback(vllm_v1._report_progress, done, s.row),
+        lambda: jax.debug.callback(vllm_v1.report_progress, done, s.row),
         lambda: None,
       )
     return s

@@ -819,7 +819,10 @@ def set_progress_sink(fn) -> None:
   _SINK[0] = fn
 
 
-def _report_progress(done, steps) -> None:
+def report_progress(done, steps) -> None:
+  """Hands ``(requests done, steps)`` to the sink of
+  :func:`set_progress_sink`, if any (the host end of the engines'
+  ``jax.debug.callback``)."""
   if _SINK[0] is not None:
     _SINK[0](int(done), int(steps))
 
@@ -884,7 +887,7 @@ def _advance(st, reqs, params, scheduler, clock, max_steps, progress=False):
     done = st.num_arrived - st.num_running - st.num_waiting
     jax.lax.cond(
       ran & (st.num_steps % PROGRESS_EVERY == PROGRESS_EVERY - 1),
-      lambda: jax.debug.callback(_report_progress, done, st.num_steps + 1),
+      lambda: jax.debug.callback(report_progress, done, st.num_steps + 1),
       lambda: None,
     )
   st = st.replace(
