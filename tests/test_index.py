@@ -106,7 +106,7 @@ def test_probing_wraps_around_the_table():
 
 
 @jax.jit
-def _apply(idx, op, key, value):
+def _apply(idx, op, key, value, expected):
   def do_insert(i):
     return index.insert(i, key, value, jnp.bool_(True))
 
@@ -116,11 +116,19 @@ def _apply(idx, op, key, value):
   def do_update(i):
     return index.update(i, key, value, jnp.bool_(True))
 
-  return jax.lax.switch(op, [do_insert, do_delete, do_update], idx)
+  def do_unlink(i):  # value < 0: delete where the key maps to expected
+    return index.unlink(i, key, expected, value, jnp.bool_(True))
+
+  return jax.lax.switch(op, [do_insert, do_delete, do_update, do_unlink], idx)
 
 
 def _run_against_dict(ops, capacity, max_probes, num_keys):
-  """Applies ``(op, key_id, value)`` triples; compares with a dict."""
+  """Applies ``(op, key_id, value, flag)`` tuples; compares with a dict.
+
+  Op 3 is :func:`index.unlink`: ``flag`` says whether ``expected`` is the
+  key's current value (else one it never holds), and an odd ``value``
+  means delete (successor -1).
+  """
   idx = index.init(
     num_keys=num_keys, capacity=capacity, max_load=0.75, max_probes=max_probes
   )
@@ -129,9 +137,14 @@ def _run_against_dict(ops, capacity, max_probes, num_keys):
     [[(i % 3) + capacity * (i // 3), 77 * i] for i in range(12)], np.uint32
   )
   model: dict[int, int] = {}
-  for op, kid, value in ops:
+  for op, kid, value, flag in ops:
     key = jnp.asarray(universe[kid])
-    idx, r = _apply(idx, jnp.int32(op), key, jnp.int32(value))
+    expected = model.get(kid, value) if flag else 5000 + value
+    if op == 3 and value % 2:
+      value = -1
+    idx, r = _apply(
+      idx, jnp.int32(op), key, jnp.int32(value), jnp.int32(expected)
+    )
     status = int(r.status)
     if op == 0:
       if kid in model:
@@ -147,10 +160,20 @@ def _run_against_dict(ops, capacity, max_probes, num_keys):
         assert (status, int(r.value)) == (S.OK, model.pop(kid))
       else:
         assert status == S.ABSENT
-    else:
+    elif op == 2:
       if kid in model:
         assert status == S.OK
         model[kid] = value
+      else:
+        assert status == S.ABSENT
+    else:
+      assert int(r.value) == model.get(kid, -1)
+      if model.get(kid) == expected:
+        assert status == S.OK
+        if value < 0:
+          del model[kid]
+        else:
+          model[kid] = value
       else:
         assert status == S.ABSENT
     assert index.check_invariants(idx) == [], (op, kid)
@@ -163,9 +186,10 @@ def _run_against_dict(ops, capacity, max_probes, num_keys):
 @hypothesis.given(
   ops=st.lists(
     st.tuples(
-      st.sampled_from([0, 0, 1, 2]),
+      st.sampled_from([0, 0, 1, 2, 3]),
       st.integers(0, 11),
       st.integers(0, 1000),
+      st.booleans(),
     ),
     max_size=60,
   ),

@@ -98,10 +98,12 @@ def _evict_one(state: PrefixCacheState, block, ok):
   key = state.block_hash.at[jnp.clip(block, 0, state.num_blocks - 1)].get()
   has = ok & (nxt != NO_BLOCK)
   sole = nxt == block
-  head = index_lib.lookup(state.index, key[None], has[None])[0]
-  nxt, prv, key, has, sole, head = settle(state, nxt, prv, key, has, sole, head)
-  idx, _ = index_lib.delete(state.index, key, has & sole)
-  idx, _ = index_lib.update(idx, key, nxt, has & ~sole & (head == block))
+  nxt, prv, key, has, sole = settle(state, nxt, prv, key, has, sole)
+  # The key's head is the block (its list's earliest member): the key goes
+  # (the block was its only one) or points at the block's successor.
+  idx, _ = index_lib.unlink(
+    state.index, key, block, jnp.where(sole, NO_BLOCK, nxt), has
+  )
   relink = has & ~sole
   dup_next = scatter(state.dup_next, prv[None], nxt, relink)
   dup_prev = scatter(state.dup_prev, nxt[None], prv, relink)

@@ -59,6 +59,7 @@ __all__ = [
   "init",
   "insert",
   "lookup",
+  "unlink",
   "update",
 ]
 
@@ -204,8 +205,8 @@ def _home(index: IndexState, key: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(key[..., 0] & mask, jnp.int32)
 
 
-def _probe(index: IndexState, key: jax.Array):
-  """Probes for one ``key`` ``[2]``.
+def _probe(index: IndexState, key: jax.Array, ok=True):
+  """Probes for one ``key`` ``[2]`` (no probe at all where not ``ok``).
 
   Returns ``(found, free)``: the slot holding the key or -1, and the first
   tombstone-or-empty slot on the path or -1 (the insert position).
@@ -216,7 +217,7 @@ def _probe(index: IndexState, key: jax.Array):
 
   def cond(c):
     i, found, _, done = c
-    return (i < index.max_probes) & ~done
+    return ok & (i < index.max_probes) & ~done
 
   def body(c):
     i, found, free, _ = c
@@ -297,7 +298,7 @@ def insert(index: IndexState, key, value, ok=True):
   """
   value = jnp.asarray(value, jnp.int32)
   ok = jnp.asarray(ok, jnp.bool_) & (value >= 0)
-  found, free = _probe(index, key)
+  found, free = _probe(index, key, ok)
   old = index.values.at[jnp.maximum(found, 0)].get(mode="clip")
   was_tomb = index.values.at[jnp.maximum(free, 0)].get(mode="clip") == TOMBSTONE
   # barrier's anchor: count is >= 0, never -7, at run time.
@@ -328,7 +329,7 @@ def update(index: IndexState, key, value, ok=True):
   (``SKIPPED`` when not ``ok`` or ``value < 0``)."""
   value = jnp.asarray(value, jnp.int32)
   ok = jnp.asarray(ok, jnp.bool_) & (value >= 0)
-  found, _ = _probe(index, key)
+  found, _ = _probe(index, key, ok)
   old = index.values.at[jnp.maximum(found, 0)].get(mode="clip")
   found, old = barrier(index.count, found, old)
   status = jnp.where(
@@ -345,19 +346,82 @@ def update(index: IndexState, key, value, ok=True):
 def delete(index: IndexState, key, ok=True):
   """Removes ``key``; returns its old value, status ``ABSENT`` if missing."""
   ok = jnp.asarray(ok, jnp.bool_)
-  cap = index.capacity
-  found, _ = _probe(index, key)
+  found, _ = _probe(index, key, ok)
   old = index.values.at[jnp.maximum(found, 0)].get(mode="clip")
-  next_empty = (
-    index.values.at[(found + 1) & (cap - 1)].get(mode="clip") == EMPTY
-  )
-  found, old, next_empty = barrier(index.count, found, old, next_empty)
+  found, old = barrier(index.count, found, old)
   status = jnp.where(
     ~ok,
     IndexStatus.SKIPPED,
     jnp.where(found >= 0, IndexStatus.OK, IndexStatus.ABSENT),
   ).astype(jnp.int32)
+  index = _delete_at(index, found, status == IndexStatus.OK)
+  return index, InsertResult(status, jnp.where(found >= 0, old, NO_VALUE))
+
+
+@jax.jit
+def unlink(index: IndexState, key, value, successor, ok=True):
+  """Drops ``key``'s pointer to ``value``, with one probe.
+
+  Where ``key`` maps to ``value``: deleted if ``successor < 0``, else
+  repointed to ``successor``. A key that maps to another value, or is
+  absent, is left alone (status ``ABSENT``). The same as :func:`lookup`,
+  then :func:`delete` or :func:`update` on what it found, probing once
+  (the prefix cache's identity eviction: the block leaving a key's list of
+  blocks was its head).
+
+  Args:
+    index: the map.
+    key: ``[2]`` uint32.
+    value: int32 scalar, the value the key must map to.
+    successor: int32 scalar, its new value, or negative to delete the key.
+    ok: bool scalar; when false nothing happens (status ``SKIPPED``).
+
+  Returns:
+    ``(new_index, InsertResult)``: status ``OK``, ``ABSENT`` or
+    ``SKIPPED``; the value stored before the call (``NO_VALUE`` if absent).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from prefixjax.cache import index
+    >>> idx = index.init(num_keys=4)
+    >>> key = jnp.array([7, 9], jnp.uint32)
+    >>> idx, _ = index.insert(idx, key, 3)
+    >>> idx, r = index.unlink(idx, key, 3, 5)  # 3 -> 5
+    >>> idx, r = index.unlink(idx, key, 3, -1)  # maps to 5, not 3: kept
+    >>> int(r.status), index.lookup(idx, key[None]).tolist()
+    (2, [5])
+  """
+  ok = jnp.asarray(ok, jnp.bool_)
+  value = jnp.asarray(value, jnp.int32)
+  successor = jnp.asarray(successor, jnp.int32)
+  found, _ = _probe(index, key, ok)
+  old = index.values.at[jnp.maximum(found, 0)].get(mode="clip")
+  found, old = barrier(index.count, found, old)
+  old = jnp.where(found >= 0, old, NO_VALUE)
+  status = jnp.where(
+    ~ok,
+    IndexStatus.SKIPPED,
+    jnp.where(
+      (old == value) & (value >= 0), IndexStatus.OK, IndexStatus.ABSENT
+    ),
+  ).astype(jnp.int32)
   do = status == IndexStatus.OK
+  slot = jnp.where(do & (successor >= 0), found, index.capacity)
+  index = _delete_at(index, found, do & (successor < 0))
+  index = index.replace(
+    values=index.values.at[slot].set(successor, mode="drop")
+  )
+  return index, InsertResult(status, old)
+
+
+def _delete_at(index: IndexState, found, do):
+  """Deletes the live slot ``found`` where ``do`` (a tombstone, or EMPTY
+  with the tombstones right before it when the next slot is EMPTY)."""
+  cap = index.capacity
+  next_empty = (
+    index.values.at[(found + 1) & (cap - 1)].get(mode="clip") == EMPTY
+  )
+  next_empty = barrier(index.count, next_empty)[0]
   # If the next slot is EMPTY no probe path runs through this one: it (and
   # the run of tombstones right before it) can become EMPTY.
   clear = do & next_empty
@@ -387,14 +451,13 @@ def delete(index: IndexState, key, ok=True):
       jnp.full((index.max_probes,), EMPTY, jnp.int32),
     ]
   )
-  index = index.replace(
+  return index.replace(
     values=index.values.at[slots].set(fill, mode="drop"),
     count=index.count - do.astype(jnp.int32),
     num_tombstones=index.num_tombstones
     + (do & ~clear).astype(jnp.int32)
     - num_cleared,
   )
-  return index, InsertResult(status, jnp.where(found >= 0, old, NO_VALUE))
 
 
 def check_invariants(index: IndexState) -> list[str]:
