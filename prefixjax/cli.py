@@ -271,8 +271,8 @@ def _set_cpu_threads(threads: int) -> None:
     os.environ["NPROC"] = str(threads)
 
 
-def _warn(message: str) -> None:
-  print(f"prefixjax replay: warning: {message}", file=sys.stderr)
+def _warn(message: str, command: str = "replay") -> None:
+  print(f"prefixjax {command}: warning: {message}", file=sys.stderr)
 
 
 def _check_output(flag: str, path: str) -> None:
@@ -839,6 +839,26 @@ def _cmd_simulate(args) -> int:
   if not result.ok:
     raise CliError(f"simulation ended with status {result.status}")
   metrics = result.metrics()
+  if metrics["rejected"]:
+    # vLLM's input check: a prompt of max_model_len tokens or more (or an
+    # empty one) is refused before it is queued.
+    lens = result.prompt_len[result.rejected]
+    long = lens[lens > 0]
+    why = []
+    if len(long):
+      why.append(
+        f"{len(long)} with prompts of {int(long.min()):,}-"
+        f"{int(long.max()):,} tokens, not shorter than --max-model-len "
+        f"{config.max_model_len:,}"
+      )
+    if len(long) < len(lens):
+      why.append(f"{len(lens) - len(long)} with empty prompts")
+    none = metrics["rejected"] == metrics["requests"]
+    _warn(
+      f"{metrics['rejected']} of {metrics['requests']} requests rejected "
+      f"({'; '.join(why)})" + ("; nothing was simulated" if none else ""),
+      "simulate",
+    )
   width = max(map(len, metrics))
   for key, value in metrics.items():
     shown = (

@@ -248,6 +248,7 @@ def test_schedule_equals_the_simulator_and_vllm_model(
   assert res.stats["prefill_tokens_computed"] == m["prefill_tokens_computed"]
   assert res.stats["hit_tokens"] == m["hit_tokens"]
   assert res.stats["preemptions"] == m["preemptions"]
+  assert res.stats["evictions"] == m["evictions"]
   assert res.stats["blocks_peak"] == m["peak_blocks_in_use"]
 
 

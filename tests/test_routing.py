@@ -99,6 +99,8 @@ def test_a_state_free_router_gives_each_replica_its_own_simulation(rng, router):
     assert row["ttft_steps_p99"] == float(np.percentile(ttft, 99))
     assert row["ttft_s_p99"] == pytest.approx(row["ttft_steps_p99"] * 0.01)
     assert row["output_tokens"] == sum(r["num_output_tokens"] for r in reqs)
+    assert res.evictions[q] == alone.metrics()["evictions"]
+  assert res.metrics()["evictions"] == int(res.evictions.sum())
 
 
 def _view(rng, p):

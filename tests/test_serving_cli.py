@@ -37,7 +37,7 @@ def test_json_and_jsonl_match_simulate_and_model(tmp_path, capsys):
   got = serving.simulate(trace, CONFIG, arrivals="trace", step_time_ms=5.0)
   summary = json.loads(out.read_text())
   assert summary == json.loads(json.dumps(got.metrics()))
-  assert {"steps", "hit_tokens", "preemptions"} <= set(summary)
+  assert {"steps", "hit_tokens", "preemptions", "evictions"} <= set(summary)
   model = VllmScheduler(**model_kwargs(CONFIG))
   _, reqs = model.simulate(serving.records_from_trace(trace), "time", 5.0)
   lines = [json.loads(x) for x in reqs_out.read_text().splitlines()]
@@ -165,3 +165,24 @@ def test_a_trace_is_served_whole_unless_requests_says(tmp_path, capsys, rng):
   assert main(argv) == 0
   capsys.readouterr()
   assert json.loads(out.read_text())["requests"] == n
+
+
+def test_rejected_requests_are_reported(rng, capsys):
+  """Prompts of ``max_model_len`` tokens or more are rejected (vLLM's input
+  check); the CLI says how many, and when none is left to simulate."""
+  trace = pj.generate_workload("multi_turn", num_requests=8, seed=3)
+  lens = sorted(int(x) for x in trace.input_lengths)
+  # A limit between two prompt lengths: some requests are rejected.
+  mml = int(rng.integers(lens[2], lens[-1])) + 1
+  mml = max(mml, 64)
+  argv = [*FLAGS[:-3], "--max-model-len", str(mml), "--no-compile-cache"]
+  assert main(["simulate", *argv]) == 0
+  err = capsys.readouterr().err
+  n = sum(x >= mml for x in lens)
+  assert f"{n} of 8 requests rejected ({n} with prompts of" in err
+  assert "nothing was simulated" not in err
+  argv = [*FLAGS[:-3], "--max-model-len", "16", "--no-compile-cache"]
+  argv[argv.index("--max-num-batched-tokens") + 1] = "16"
+  assert main(["simulate", *argv]) == 0
+  err = capsys.readouterr().err
+  assert "8 of 8 requests rejected" in err and "nothing was simulated" in err

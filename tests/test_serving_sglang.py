@@ -76,7 +76,8 @@ def _model(cfg: ServingConfig, records, arrival):
     priority_preemption=cfg.priority_preemption,
     priority_threshold=cfg.priority_preemption_threshold,
   )
-  return m.simulate(records, arrival)
+  steps, reqs = m.simulate(records, arrival)
+  return steps, reqs, m.tree.stats["evicted_pages"]
 
 
 def _run(cfg, records, arrival):
@@ -87,9 +88,10 @@ def _run(cfg, records, arrival):
 
 def _assert_same(cfg, records, arrival):
   """Returns the model's total retractions."""
-  steps, reqs = _model(cfg, records, arrival)
+  steps, reqs, evicted = _model(cfg, records, arrival)
   res = _run(cfg, records, arrival)
   assert res.ok, res.status
+  assert res.metrics()["evictions"] == evicted
   sched = res.scheduled()
   t = res.trace
   got = [

@@ -84,6 +84,7 @@ def _compare(records, config, *, max_steps=MAX_STEPS, step_time_ms=None):
   )
   assert_same_run(got, steps, reqs)
   assert got.scheduled() == [s["sched"] for s in steps]
+  assert got.metrics()["evictions"] == model.cache.evictions
   return steps, reqs
 
 
@@ -425,6 +426,7 @@ def test_metrics_match_numpy_over_model_records(rng):
     prefill_tokens_computed=sum(s["prefill_tokens"] for s in steps),
     prefill_tokens_saved=hit + sum(r["resume_hit_tokens"] for r in ok),
     preemptions=sum(len(s["preempted"]) for s in steps),
+    evictions=model.cache.evictions,
     peak_blocks_in_use=int(in_use.max()),
     mean_blocks_in_use=float(in_use.mean()),
     internal_fragmentation_tokens=float(frag.mean()),
@@ -454,12 +456,14 @@ def test_metrics_match_numpy_over_model_records(rng):
     output_tokens=out_tokens,
     throughput_tokens_per_step=out_tokens / makespan,
     throughput_tokens_per_s=out_tokens / (makespan * scale),
+    throughput_requests_per_step=len(done) / makespan,
+    throughput_requests_per_s=len(done) / (makespan * scale),
   )
   assert sorted(m) == sorted(want)
   for key, value in want.items():
     assert m[key] == pytest.approx(value, rel=1e-12), key
   assert m["preemptions"] >= 1 and m["hit_tokens"] > 0
-  assert m["internal_fragmentation_tokens"] > 0
+  assert m["internal_fragmentation_tokens"] > 0 and m["evictions"] > 0
 
 
 def test_metrics_without_step_time_have_no_seconds(rng):

@@ -136,9 +136,10 @@ class GenerateResult:
       ``prefill_tokens_computed`` (tokens computed for prompts and, after a
       preemption, recomputed; ``prompt_tokens - hit_tokens`` when nothing
       was preempted), ``decode_tokens``, ``generated_tokens``,
-      ``preemptions``, ``blocks_peak`` (usable blocks held after scheduling,
-      the most over steps), ``cow_copies`` (pages copied when fork children
-      started), ``steps``, ``wall_s``.
+      ``preemptions``, ``evictions`` (cached blocks whose identity was
+      dropped to make room), ``blocks_peak`` (usable blocks held after
+      scheduling, the most over steps), ``cow_copies`` (pages copied when
+      fork children started), ``steps``, ``wall_s``.
     schedule: per step ``[[request, tokens], ...]`` in scheduler order
       (requests numbered as ``tokens``), as
       :meth:`prefixjax.serving.SimResult.scheduled`.
@@ -775,6 +776,7 @@ class Generation:
       decode_tokens=self.decode_tokens,
       generated_tokens=sum(len(o) for o in self.outputs),
       preemptions=int(st.num_preemptions[real].sum()),
+      evictions=int(st.cache.stats.evictions),
       blocks_peak=self.blocks_peak,
       cow_copies=self.copies,
       steps=len(self.schedule),

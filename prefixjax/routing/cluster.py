@@ -353,6 +353,8 @@ class ClusterResult:
     trace: the per-step ``[T, P]`` arrays of :func:`run_cluster`, cut to
       the executed steps.
     step_time_ms: milliseconds per step, or None.
+    evictions: ``[P]`` cached blocks each replica's cache evicted (identity
+      dropped to make room), or None.
   """
 
   replicas: int
@@ -369,6 +371,7 @@ class ClusterResult:
   num_preemptions: np.ndarray
   trace: dict[str, np.ndarray]
   step_time_ms: float | None
+  evictions: np.ndarray | None = None
 
   def per_replica(self) -> list[dict[str, Any]]:
     """Per replica: ``requests``, ``prompt_tokens``, ``hit_tokens``,
@@ -411,8 +414,9 @@ class ClusterResult:
     ``prompt_tokens``, ``hit_tokens``, ``token_hit_rate``, ``imbalance``
     (max over mean of the replicas' computed tokens; 1 is even),
     ``request_imbalance`` (the same of routed requests), ``preemptions``,
-    ``ttft_steps_p50/p99`` (``first_token_step + 1 - arrival_step``) and
-    ``_s`` with ``step_time_ms``, ``makespan_steps``, ``output_tokens``,
+    ``evictions`` (summed over the replicas), ``ttft_steps_p50/p99``
+    (``first_token_step + 1 - arrival_step``) and ``_s`` with
+    ``step_time_ms``, ``makespan_steps``, ``output_tokens``,
     ``throughput_tokens_per_step`` (and ``_per_s``)."""
     per = self.per_replica()
     routed = self.route >= 0
@@ -438,6 +442,7 @@ class ClusterResult:
       imbalance=float(work.max() / work.mean()) if work.sum() else None,
       request_imbalance=float(reqs.max() / reqs.mean()) if reqs.sum() else None,
       preemptions=int(self.num_preemptions[routed].sum()),
+      evictions=None if self.evictions is None else int(self.evictions.sum()),
       makespan_steps=makespan,
       output_tokens=out_tokens,
       throughput_tokens_per_step=out_tokens / makespan if makespan else None,
@@ -643,4 +648,5 @@ def simulate_cluster(
     num_preemptions=mine(reps.num_preemptions),
     trace={k: np.asarray(v)[:n] for k, v in tr.items()},
     step_time_ms=None if step_time_ms is None else float(step_time_ms),
+    evictions=np.asarray(reps.cache.stats.evictions),
   )

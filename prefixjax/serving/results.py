@@ -50,6 +50,8 @@ class SimResult:
     parent, sample: ``[R]`` int, with parallel sampling (records with
       ``n > 1``, :func:`prefixjax.serving.simulate.fan_out`): each child
       request's record index and sample index; ``None`` without.
+    evictions: cached blocks (SGLang: pages) that lost their identity to
+      make room for new ones, over the run; ``None`` where not counted.
     lanes_recorded: whether ``trace`` holds every step's ``[S]`` fields
       (:func:`prefixjax.serving.simulate_batch` keeps only the per-step
       scalars the metrics need; then :meth:`scheduled` and :meth:`steps`
@@ -82,6 +84,7 @@ class SimResult:
   lanes_recorded: bool = True
   parent: np.ndarray | None = None
   sample: np.ndarray | None = None
+  evictions: int | None = None
 
   @property
   def ok(self) -> bool:
@@ -250,6 +253,9 @@ class SimResult:
       after preemption included); ``prefill_tokens_saved``: tokens served by
       the cache instead, ``hit_tokens`` plus the hits at resumptions.
     * ``preemptions``: preemptions summed over requests.
+    * ``evictions``: cached blocks whose identity was dropped to make room
+      (vLLM: a hashed free block popped for a new one, its hash removed;
+      SGLang: pages of evicted radix-tree leaves).
     * ``peak_blocks_in_use``, ``mean_blocks_in_use``: usable blocks not
       free after scheduling, max and mean over executed steps.
     * ``internal_fragmentation_tokens``: reserved but unused token slots
@@ -264,7 +270,9 @@ class SimResult:
       seconds (``ttft_s_p50`` ...). Over finished requests; percentiles are
       ``numpy.percentile``'s (linear).
     * ``output_tokens``; ``throughput_tokens_per_step``: output tokens over
-      ``makespan_steps``; ``throughput_tokens_per_s``.
+      ``makespan_steps``; ``throughput_tokens_per_s``;
+      ``throughput_requests_per_step`` and ``throughput_requests_per_s``:
+      finished requests over the makespan.
     """
     n = self.num_steps
     t = self.trace
@@ -312,6 +320,7 @@ class SimResult:
       prefill_tokens_computed=int(t.prefill_tokens[:n].sum()),
       prefill_tokens_saved=hit + int(self.resume_hit_tokens[seen].sum()),
       preemptions=int(self.num_preemptions.sum()),
+      evictions=self.evictions,
       peak_blocks_in_use=int(in_use.max()) if n else 0,
       mean_blocks_in_use=float(in_use.mean()) if n else None,
       internal_fragmentation_tokens=float(frag.mean()) if n else None,
@@ -328,20 +337,22 @@ class SimResult:
           y = timed[name]
           m[f"{name}_s_p{q}"] = float(np.percentile(y, q)) if len(y) else None
     m["output_tokens"] = out_tokens
+    finished = m["finished"]
     m["throughput_tokens_per_step"] = (
       out_tokens / makespan if makespan else None
+    )
+    m["throughput_requests_per_step"] = (
+      finished / makespan if makespan else None
     )
     if self.timed:
       _, end = self.step_times_s()
       span = float(end[-1]) if n else 0.0
       m["makespan_s"] = span
-      m["throughput_tokens_per_s"] = out_tokens / span if span > 0 else None
     else:
-      m["throughput_tokens_per_s"] = (
-        None
-        if scale is None or not makespan
-        else out_tokens / (makespan * scale)
-      )
+      span = None if scale is None or not makespan else makespan * scale
+    ok = span is not None and span > 0
+    m["throughput_tokens_per_s"] = out_tokens / span if ok else None
+    m["throughput_requests_per_s"] = finished / span if ok else None
     return m
 
   def _timed_series(self, done, multi) -> dict[str, np.ndarray]:

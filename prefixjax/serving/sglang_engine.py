@@ -1167,6 +1167,7 @@ def init(c: Consts, cfg: Config) -> State:
     clock=i32(0),
     free=i32(cfg.num_pages),
     private=i32(0),
+    evicted=i32(0),
   )
   q = Reqs(
     n_out=z, prefix=z, extend_end=z, row=z, prot=z, lock_len=z, retr=z,

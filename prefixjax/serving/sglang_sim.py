@@ -288,4 +288,5 @@ def _collect(prep: _Prepared, config, final, step_time_ms, timer) -> SimResult:
     priority=h["priority"],
     clock="steps" if timer is None else timer,
     arrival_s=h["arrival_s"],
+    evictions=int(final.tree.evicted),
   )

@@ -191,6 +191,7 @@ class Tree(NamedTuple):
   clock: jax.Array
   free: jax.Array  # free pages
   private: jax.Array  # pages held by requests only
+  evicted: jax.Array  # pages evicted so far (the evictions metric)
 
 
 def i32(x):
@@ -358,6 +359,7 @@ def _evict(t: Tree, c: Consts, K, need):
       kids=_put(t.kids, parent, kids_parent - 1, ok),
       evictable=t.evictable - cnt,
       free=t.free + cnt,
+      evicted=t.evicted + cnt,
     )
     return t, ev + cnt, ok
 

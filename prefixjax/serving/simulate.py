@@ -905,6 +905,7 @@ def _collect(built: _Built, f, trace_out) -> SimResult:
     arrival_s=h["arrival_s"],
     parent=h["parent"],
     sample=h["sample"],
+    evictions=int(f.cache.stats.evictions),
   )
 
 

@@ -282,6 +282,7 @@ class VllmPrefixCache:
     self._requests: dict[Hashable, _Request] = {}
     self._fresh = itertools.count()
     self._auto_id = itertools.count()
+    self.evictions = 0  # identities dropped by _evict_identity
 
   @classmethod
   def from_capacity(
@@ -392,6 +393,7 @@ class VllmPrefixCache:
     key = self._hash[b]
     if key is None:
       return
+    self.evictions += 1
     blocks = self._index[key]
     blocks.remove(b)
     if not blocks:
