@@ -577,7 +577,14 @@ def _add_simulate(subparsers) -> None:
     ),
   )
   src = p.add_mutually_exclusive_group()
-  src.add_argument("--trace", metavar="PATH", help="trace file with token ids")
+  src.add_argument(
+    "--trace",
+    metavar="PATH",
+    help=(
+      "trace file: token ids (JSONL), Mooncake hash ids (served with tokens "
+      "synthesised per hash id) or length-only CSV (no sharing)"
+    ),
+  )
   src.add_argument(
     "--workload",
     metavar="NAME",
@@ -818,6 +825,15 @@ def _cmd_simulate(args) -> int:
   n = args.requests or 200  # a generated workload's size
   if args.trace:
     trace = load_trace(args.trace, args.format, limit=args.requests)
+    if not trace.has_token_ids and not trace.has_hash_ids:
+      _warn(
+        f"{args.trace} has lengths only (no token ids, no hash ids): it "
+        "carries no prefix sharing, so each request is served with tokens "
+        "of its own and every hit is 0",
+        "simulate",
+      )
+    # Hash ids (Mooncake) become tokens, equal ids equal tokens.
+    trace = trace.with_token_ids()
   elif args.workload:
     trace = generate_workload(args.workload, num_requests=n, seed=args.seed)
   else:

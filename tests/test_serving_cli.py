@@ -186,3 +186,84 @@ def test_rejected_requests_are_reported(rng, capsys):
   assert main(["simulate", *argv]) == 0
   err = capsys.readouterr().err
   assert "8 of 8 requests rejected" in err and "nothing was simulated" in err
+
+
+def _mooncake_rows(rng, n):
+  """Mooncake records: each extends a random earlier one's first hash
+  blocks (or starts afresh) with new ids; the last 512-token block partial."""
+  rows, next_id = [], 0
+  for _ in range(n):
+    keep = []
+    if rows and rng.random() < 0.8:
+      base = rows[int(rng.integers(len(rows)))]["hash_ids"]
+      keep = base[: int(rng.integers(1, len(base) + 1))]
+    new = int(rng.integers(0 if keep else 1, 3))
+    ids = keep + list(range(next_id, next_id + new))
+    next_id += new
+    rows.append(
+      dict(
+        timestamp=0,
+        input_length=(len(ids) - 1) * 512 + int(rng.integers(1, 513)),
+        output_length=int(rng.integers(1, 4)),
+        hash_ids=ids,
+      )
+    )
+  return rows
+
+
+def test_a_mooncake_trace_is_served_with_its_sharing(tmp_path, capsys, rng):
+  """Hash ids become tokens (equal ids, equal tokens). One request at a
+  time in a pool that never evicts, each first-admission hit is the longest
+  shared prefix with an earlier prompt, read off the hash ids alone, cut to
+  whole blocks and capped at ``prompt - 1`` tokens."""
+  rows = _mooncake_rows(rng, 10)
+  path = tmp_path / "mooncake.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  k = 16
+  argv = ["simulate", "--trace", str(path), "--format", "mooncake"]
+  argv += ["--block-size", str(k), "--num-blocks", "4096"]
+  argv += ["--max-num-seqs", "1", "--max-num-batched-tokens", "4096"]
+  argv += ["--max-model-len", "4096", "--no-compile-cache"]
+  argv += ["--requests-out", str(tmp_path / "r.jsonl")]
+  assert main(argv) == 0
+  capsys.readouterr()
+  got = [
+    json.loads(x)["hit_tokens"]
+    for x in (tmp_path / "r.jsonl").read_text().splitlines()
+  ]
+  want = []
+  for i, r in enumerate(rows):
+    shared = 0
+    for s in rows[:i]:
+      a, b = r["hash_ids"], s["hash_ids"]
+      m = min(len(a), len(b))
+      d = next((x for x in range(m) if a[x] != b[x]), m)
+      n = min(r["input_length"], s["input_length"])
+      shared = max(shared, n if d == m else min(d * 512, n))
+    want.append(min(shared, r["input_length"] - 1) // k * k)
+  assert got == want
+  assert sum(want) > 0
+
+
+def test_a_length_only_trace_is_served_with_a_warning(tmp_path, capsys, rng):
+  """No token ids, no hash ids: served with tokens of its own per request,
+  every hit 0, and the CLI says so (the Python API refuses it unless asked
+  through ``Trace.with_token_ids``)."""
+  n = int(rng.integers(3, 8))
+  path = tmp_path / "lengths.csv"
+  lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+  for i in range(n):
+    lines.append(
+      f"2023-11-16 18:15:46.{i:06d},{rng.integers(20, 60)},{rng.integers(1, 4)}"
+    )
+  path.write_text("\n".join(lines) + "\n")
+  out = tmp_path / "m.json"
+  argv = ["simulate", "--trace", str(path), "--num-blocks", "64"]
+  argv += ["--max-model-len", "64", "--no-compile-cache", "--json", str(out)]
+  assert main(argv) == 0
+  assert "lengths only" in capsys.readouterr().err
+  summary = json.loads(out.read_text())
+  assert summary["requests"] == n and summary["hit_tokens"] == 0
+  trace = pj.load_trace(str(path))
+  with pytest.raises(ValueError, match="lengths only"):
+    serving.simulate(trace, CONFIG)

@@ -252,3 +252,64 @@ def test_lists_of_ints_give_the_rows_of_arrays(rng):
     with pytest.raises((TypeError, ValueError), match=match) as err:
       Trace(**kw, input_token_ids=broken)
     assert f"input_token_ids[{bad}]" in str(err.value)
+
+
+def _hash_id_trace(rng, n, hbs):
+  """Mooncake-style requests: each extends a random earlier one's first
+  hash blocks (or starts afresh) with new ids; the last block partial."""
+  rows, lens, next_id = [], [], 0
+  for _ in range(n):
+    keep = []
+    if rows and rng.random() < 0.7:
+      base = rows[int(rng.integers(len(rows)))]
+      keep = list(base[: int(rng.integers(0, len(base) + 1))])
+    new = int(rng.integers(0 if keep else 1, 4))
+    row = keep + list(range(next_id, next_id + new))
+    next_id += new
+    length = (len(row) - 1) * hbs + int(rng.integers(1, hbs + 1))
+    rows.append(np.asarray(row, np.int64))
+    lens.append(length)
+  return Trace(
+    np.zeros(n),
+    lens,
+    rng.integers(1, 5, n),
+    hash_ids=rows,
+    hash_block_size=hbs,
+  )
+
+
+def _common(a, b):
+  m = min(len(a), len(b))
+  diff = np.flatnonzero(np.asarray(a[:m]) != np.asarray(b[:m]))
+  return int(diff[0]) if len(diff) else m
+
+
+def test_token_ids_from_hash_ids_share_exactly_the_hash_prefixes(rng):
+  hbs = int(rng.integers(2, 9))
+  trace = _hash_id_trace(rng, 30, hbs)
+  tokens = trace.with_token_ids().input_token_ids
+  kept = trace.with_token_ids().hash_ids
+  assert [r.tolist() for r in kept] == [r.tolist() for r in trace.hash_ids]
+  for i in range(len(trace)):
+    assert len(tokens[i]) == trace.input_lengths[i]
+    assert tokens[i].min() >= 1 and tokens[i].max() <= 2**30
+    for j in range(i):
+      d = _common(trace.hash_ids[i], trace.hash_ids[j])
+      m = min(len(trace.hash_ids[i]), len(trace.hash_ids[j]))
+      n = min(trace.input_lengths[i], trace.input_lengths[j])
+      # Up to the first differing id every token agrees; from it, none of
+      # the first tokens does (a 30-bit draw: equal by chance ~1e-9).
+      want = n if d == m else min(d * hbs, n)
+      assert _common(tokens[i], tokens[j]) == want, (i, j)
+
+
+def test_length_only_token_ids_share_nothing(rng):
+  n = int(rng.integers(5, 20))
+  trace = Trace(np.zeros(n), rng.integers(1, 50, n), np.ones(n, np.int64))
+  tokens = trace.with_token_ids().input_token_ids
+  for i in range(n):
+    assert len(tokens[i]) == trace.input_lengths[i]
+    for j in range(i):
+      assert tokens[i][0] != tokens[j][0]
+  same = Trace([0.0], [2], [1], input_token_ids=[np.array([5, 6])])
+  assert same.with_token_ids() is same

@@ -67,13 +67,15 @@ def records_from_trace(trace: Trace) -> list[dict[str, Any]]:
 
   Each record has ``input_tok_ids``, ``output_toks``, ``arrival_time_ns``
   (``round(arrival_times_s * 1e9)``), with output ids ``output_tok_ids`` and
-  with session ids ``client`` (the ``fair`` scheduler's client).
+  with session ids ``client`` (the ``fair`` scheduler's client). A trace
+  with Mooncake-style ``hash_ids`` instead of token ids is served with
+  tokens synthesised from them (:meth:`Trace.with_token_ids`: equal ids,
+  equal tokens, so its sharing is the trace's).
 
   Raises:
-    ValueError: the trace has no token ids.
+    ValueError: a length-only trace (no token ids, no hash ids).
   """
-  if trace.input_token_ids is None:
-    raise ValueError("simulate needs a trace with input_token_ids")
+  trace = _with_tokens(trace)
   out = []
   for i in range(len(trace)):
     rec: dict[str, Any] = dict(
@@ -87,6 +89,20 @@ def records_from_trace(trace: Trace) -> list[dict[str, Any]]:
       rec["client"] = int(trace.session_ids[i])
     out.append(rec)
   return out
+
+
+def _with_tokens(trace: Trace) -> Trace:
+  """Token ids to serve: the trace's, or synthesised from its hash ids."""
+  if trace.input_token_ids is not None:
+    return trace
+  if trace.hash_ids is None:
+    raise ValueError(
+      f"trace {trace.name!r} has lengths only (no token ids, no hash ids): "
+      "it carries no prefix sharing. To serve it anyway, with every "
+      "request's tokens its own (every hit 0), pass "
+      "trace.with_token_ids()"
+    )
+  return trace.with_token_ids()
 
 
 def _token_array(rid: int, name: str, value) -> np.ndarray:
@@ -121,8 +137,7 @@ def _parse(
 
 def _records_of(trace: Trace) -> list[dict[str, Any]]:
   """:func:`records_from_trace` with numpy token rows (no Python lists)."""
-  if trace.input_token_ids is None:
-    raise ValueError("simulate needs a trace with input_token_ids")
+  trace = _with_tokens(trace)
   ns = np.round(np.asarray(trace.arrival_times_s, np.float64) * 1e9)
   out = []
   for i in range(len(trace)):

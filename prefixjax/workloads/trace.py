@@ -339,6 +339,57 @@ class Trace:
       source=self.source,
     )
 
+  def with_token_ids(self) -> Trace:
+    """This trace with prompt token ids synthesised where it has none.
+
+    For a serving simulation, whose cache hashes token ids, of a trace
+    that carries sharing only as Mooncake-style ``hash_ids`` or not at all:
+
+    * With ``hash_ids``: block ``j`` of a prompt (``hash_block_size``
+      tokens, the last one possibly partial) becomes the first tokens of a
+      fixed pseudo-random sequence keyed by its hash id, so equal ids give
+      equal tokens and prompts that share ``n`` hash blocks share exactly
+      their first ``n * hash_block_size`` tokens; at any cache block size
+      the hits are those of the trace. Different ids collide only if their
+      30-bit token draws agree token for token (never in practice).
+    * Length-only (no ids at all, e.g. the Azure CSVs): every request gets
+      its own tokens, so nothing is shared and every prefix hit is 0.
+    * With token ids already: the trace itself.
+
+    Token ids are in ``[1, 2**30]``; output ids are left as they are (a
+    simulator fabricates the outputs of a trace without them).
+
+    Example:
+      >>> import numpy as np
+      >>> t = Trace([0.0, 1.0], [6, 5], [1, 1],
+      ...           hash_ids=[np.array([3, 4]), np.array([3, 9])],
+      ...           hash_block_size=4).with_token_ids()
+      >>> bool((t.input_token_ids[0][:4] == t.input_token_ids[1][:4]).all())
+      True
+      >>> bool((t.input_token_ids[0][4:] == t.input_token_ids[1][4:5]).all())
+      False
+    """
+    if self.input_token_ids is not None:
+      return self
+    if self.hash_ids is not None:
+      k = self.hash_block_size
+      offsets = np.arange(k, dtype=np.uint64)
+      rows = []
+      for ids, n in zip(self.hash_ids, self.input_lengths, strict=True):
+        keys = ids.astype(np.uint64)[:, None] * np.uint64(k) + offsets
+        rows.append(_token_draw(keys.ravel()[: int(n)], _HASH_STREAM))
+    else:
+      # One stream per request: nothing is shared.
+      rows = [
+        _token_draw(
+          np.uint64(i) * np.uint64(1 << 32)
+          + np.arange(int(n), dtype=np.uint64),
+          _LENGTH_STREAM,
+        )
+        for i, n in enumerate(self.input_lengths)
+      ]
+    return dataclasses.replace(self, input_token_ids=rows)
+
   def summary(self) -> dict[str, Any]:
     """Returns request count, length statistics and duration as a dict.
 
@@ -404,6 +455,22 @@ class Trace:
         row[j] = node - 1
       result.append(row)
     return result
+
+
+_HASH_STREAM = np.uint64(0x243F6A8885A308D3)
+_LENGTH_STREAM = np.uint64(0x13198A2E03707344)
+
+
+def _token_draw(keys: np.ndarray, stream: np.uint64) -> np.ndarray:
+  """``int32`` token ids in ``[1, 2**30]``, a fixed function of each
+  ``uint64`` key: splitmix64's finaliser (Steele, Lea and Flood, OOPSLA
+  2014) of ``key + stream``; uint64 arithmetic wraps by design."""
+  with np.errstate(over="ignore"):
+    z = keys.astype(np.uint64) + stream
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+  return ((z >> np.uint64(34)) + np.uint64(1)).astype(np.int32)
 
 
 class PrefixNumbering:
