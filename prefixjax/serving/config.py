@@ -53,7 +53,11 @@ class ServingConfig:
     block_size: tokens per block ``K``.
     max_num_seqs: most requests running at once (``S``; the cache's
       sequence slots).
-    max_num_batched_tokens: token budget of one engine step.
+    max_num_batched_tokens: token budget of one engine step. vLLM's
+      rules: at least ``max_num_seqs``, and at least ``max_model_len``
+      without chunked prefill; below ``block_size`` it is refused under
+      ``"sglang"`` (a chunk is cut to whole pages) but kept under
+      ``"vllm"``, which accepts it (a chunk then fills part of a block).
     max_model_len: longest sequence (prompt + output); a request stops at
       it, and a prompt of this length or more is rejected.
     chunked_prefill: whether a prompt may be split over several steps.
