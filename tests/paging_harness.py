@@ -21,7 +21,8 @@ from reference_models.paging_model import PagingModel
 from prefixjax.cache import paging
 
 ALLOCATE, APPEND, FORK, COPY, RELEASE, PUBLISH, NOOP, RELEASE_HEAD = range(8)
-"""``RELEASE_HEAD``: ``release(..., unpublished_first=True)`` (vLLM >= 0.23)."""
+"""``RELEASE_HEAD``: ``release(..., vllm_version="0.33")`` (vLLM >= 0.23);
+``RELEASE`` is vLLM 0.22's all-to-the-tail order."""
 NUM_KINDS = 8
 
 
@@ -58,7 +59,7 @@ def run_stream(state: paging.PagingState, ops: jax.Array):
       return s, pack(r.status, src=r.src, dst=r.dst)
 
     def do_release(s):
-      s, r = paging.release(s, a)
+      s, r = paging.release(s, a, vllm_version="0.22")
       return s, pack(r.status, freed=r.freed_blocks)
 
     def do_publish(s):
@@ -74,7 +75,7 @@ def run_stream(state: paging.PagingState, ops: jax.Array):
       return s, pack(jnp.int32(0))
 
     def do_release_head(s):
-      s, r = paging.release(s, a, unpublished_first=True)
+      s, r = paging.release(s, a, vllm_version="0.33")
       return s, pack(r.status, freed=r.freed_blocks)
 
     state, result = jax.lax.switch(
@@ -105,8 +106,8 @@ def random_ops(
 ) -> np.ndarray:
   """A random stream biased to fill the pool, with some invalid arguments.
 
-  ``head_releases`` of the releases are ``RELEASE_HEAD``
-  (``unpublished_first``); ``publish_share`` of the operations publish a
+  ``head_releases`` of the releases are ``RELEASE_HEAD`` (vLLM 0.33's
+  order); ``publish_share`` of the operations publish a
   block (taken from the allocations).
   """
   s, m, k = sizes["max_seqs"], sizes["max_blocks_per_seq"], sizes["block_size"]

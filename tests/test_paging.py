@@ -121,28 +121,33 @@ def test_release_is_tail_first_and_allocation_reuses_deepest_first():
     num_blocks=8, block_size=2, max_seqs=2, max_blocks_per_seq=4
   )
   state, _ = paging.allocate(state, 0, 7)  # blocks 1..4
-  state, r = paging.release(state, 0)
+  state, r = paging.release(state, 0, vllm_version="0.22")
   assert r.freed_blocks[: int(r.num_freed)].tolist() == [4, 3, 2, 1]
   assert paging.free_queue_order(state) == [5, 6, 7, 4, 3, 2, 1]
   state, _ = paging.allocate(state, 1, 8)
   assert state.block_tables[1].tolist() == [5, 6, 7, 4]
 
 
-def test_release_unpublished_first_puts_unpublished_blocks_at_the_head():
-  """vLLM >= 0.23's order (0.33.0 ``BlockPool.free_blocks``): in reverse
-  table order, unpublished blocks go to the head keeping that order, the
-  published ones to the tail; the default keeps the tail-only order."""
+def test_release_follows_the_named_vllm_release():
+  """vLLM >= 0.23's order (0.33.0 ``BlockPool.free_blocks``, the default):
+  in reverse table order, unpublished blocks go to the head keeping that
+  order, the published ones to the tail; ``"0.22"`` and older put every
+  freed block at the tail."""
   state = paging.init(
     num_blocks=8, block_size=2, max_seqs=2, max_blocks_per_seq=4
   )
   state, _ = paging.allocate(state, 0, 7)  # blocks 1..4
   published = state.published.at[jnp.array([1, 3])].set(True)
   state = state.replace(published=published)
-  for unpublished_first, queue in (
-    (False, [5, 6, 7, 4, 3, 2, 1]),
-    (True, [4, 2, 5, 6, 7, 3, 1]),
+  head = [4, 2, 5, 6, 7, 3, 1]
+  for version, queue in (
+    ("0.22", [5, 6, 7, 4, 3, 2, 1]),
+    ("0.8.0", [5, 6, 7, 4, 3, 2, 1]),
+    ("0.23", head),
+    ("latest", head),
+    ("0.33", head),
   ):
-    s, r = checked.release(state, 0, unpublished_first=unpublished_first)
+    s, r = checked.release(state, 0, vllm_version=version)
     assert r.freed_blocks[: int(r.num_freed)].tolist() == [4, 3, 2, 1]
     assert paging.free_queue_order(s) == queue
     assert paging.check_invariants(s) == []
@@ -151,10 +156,12 @@ def test_release_unpublished_first_puts_unpublished_blocks_at_the_head():
   assert s.block_tables[1].tolist() == [4, 2, 0, 0]
   # A block still shared is not freed, whatever its flag.
   state, _ = paging.fork(state, 0, 1)
-  s, r = paging.release(state, 0, unpublished_first=True)
+  s, r = paging.release(state, 0)
   assert int(r.num_freed) == 0 and paging.free_queue_order(s) == [5, 6, 7]
-  with pytest.raises(TypeError, match="unpublished_first=1 must be a bool"):
-    checked.release(state, 0, unpublished_first=1)
+  with pytest.raises(ValueError, match="vllm_version='0.7' is not supported"):
+    checked.release(state, 0, vllm_version="0.7")
+  with pytest.raises(TypeError, match="vllm_version must be a string"):
+    checked.release(state, 0, vllm_version=0.33)
 
 
 def test_fork_then_append_copies_only_the_shared_partial_block():
@@ -350,9 +357,7 @@ def test_each_verb_compiles_once_across_inputs(rng):
     "fork": lambda s, a, b: paging.fork(s, a, b),
     "copy_on_write": lambda s, a, b: paging.copy_on_write(s, a),
     "release": lambda s, a, b: paging.release(s, a),
-    "release_unpublished_first": lambda s, a, b: paging.release(
-      s, a, unpublished_first=True
-    ),
+    "release_0.22": lambda s, a, b: paging.release(s, a, vllm_version="0.22"),
   }
   for name, verb in verbs.items():
     traced = jax.jit(chex.assert_max_traces(verb, n=1))

@@ -63,6 +63,7 @@ from prefixjax._masked import (
   set_row,
 )
 from prefixjax.cache.paging_state import (
+  DEFAULT_VLLM_VERSION,
   AllocateResult,
   AppendResult,
   BatchView,
@@ -73,6 +74,7 @@ from prefixjax.cache.paging_state import (
   check_state,
   init,
   status_name,
+  vllm_free_order,
 )
 
 __all__ = [
@@ -96,6 +98,7 @@ __all__ = [
   "release",
   "slot_mapping",
   "status_name",
+  "vllm_free_order",
 ]
 
 
@@ -512,45 +515,58 @@ def fork(state: PagingState, parent_id, child_id):
   return state, status
 
 
-@functools.partial(jax.jit, static_argnames="unpublished_first")
-def release(state: PagingState, seq_id, unpublished_first: bool = False):
+def release(
+  state: PagingState, seq_id, vllm_version: str = DEFAULT_VLLM_VERSION
+):
   """Ends a live sequence, dropping one reference from each of its blocks.
 
   Blocks that reach refcount 0 join the free queue in reverse table order
   (the last block first), as vLLM v1's ``SingleTypeKVCacheManager.free``
-  passes them to ``BlockPool.free_blocks``:
+  passes them to ``BlockPool.free_blocks``, in the order of the vLLM
+  release named by ``vllm_version`` (:func:`vllm_free_order`):
 
-  * by default all at the tail (vLLM 0.8 .. 0.22: ``free_blocks`` appends
-    every block, ``vllm/v1/core/block_pool.py`` of 0.22.0);
-  * with ``unpublished_first`` the blocks that are not ``published`` (carry
-    no hash) at the head, keeping that order, so the sequence's last
-    unpublished block is the next one handed out, and the published ones at
-    the tail (vLLM >= 0.23: ``BlockPool.free_blocks``, lines 816-847 of
-    ``vllm/v1/core/block_pool.py`` in 0.33.0, ``prepend_n`` for blocks
-    with ``block_hash is None``, ``append_n`` for the others).
+  * ``"0.33"`` (the default; every release from 0.23 on): the blocks that
+    are not ``published`` (carry no hash) at the head, keeping that order,
+    so the sequence's last unpublished block is the next one handed out,
+    and the published ones at the tail (``BlockPool.free_blocks``, lines
+    816-847 of ``vllm/v1/core/block_pool.py`` in 0.33.0: ``prepend_n`` for
+    blocks with ``block_hash is None``, ``append_n`` for the others);
+  * ``"0.22"`` (0.8 .. 0.22): all at the tail (``free_blocks`` appends
+    every block, ``vllm/v1/core/block_pool.py`` of 0.22.0).
 
   Args:
     state: the pool.
     seq_id: int32 scalar, a live sequence.
-    unpublished_first: static; the vLLM >= 0.23 order above.
+    vllm_version: static, a vLLM release: ``"latest"``, ``"0.8"`` ..
+      ``"0.33"`` (a patch number may follow).
 
   Returns:
     ``(new_state, ReleaseResult)``.
+
+  Raises:
+    ValueError: an unknown ``vllm_version`` (the message lists the
+      accepted ones).
 
   Example:
     >>> from prefixjax.cache import paging
     >>> s = paging.init(num_blocks=4, block_size=4, max_seqs=2,
     ...                 max_blocks_per_seq=3)
     >>> s, _ = paging.allocate(s, 0, 6)
-    >>> s, r = paging.release(s, 0)
+    >>> s, r = paging.release(s, 0, vllm_version="0.22")
     >>> r.freed_blocks[:2].tolist(), paging.free_queue_order(s)
     ([2, 1], [3, 2, 1])
     >>> s, _ = paging.allocate(s, 0, 6)  # blocks 3, 2
     >>> s = s.replace(published=s.published.at[3].set(True))
-    >>> s, r = paging.release(s, 0, unpublished_first=True)
+    >>> s, r = paging.release(s, 0)  # vLLM 0.33: unpublished to the head
     >>> r.freed_blocks[:2].tolist(), paging.free_queue_order(s)
     ([2, 3], [2, 1, 3])
   """
+  head = vllm_free_order(vllm_version) == "prepend_unhashed"
+  return _release(state, seq_id, head)
+
+
+@functools.partial(jax.jit, static_argnames="unpublished_first")
+def _release(state: PagingState, seq_id, unpublished_first: bool):
   status = first_error(*seq_status(state, seq_id, want_active=True))
   ok = status == Status.OK
   row = get_row(state.block_tables, seq_id)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import re
 from typing import NamedTuple
 
 import jax
@@ -21,6 +22,9 @@ from prefixjax import _struct as struct
 from prefixjax._masked import NO_BLOCK
 
 __all__ = [
+  "DEFAULT_VLLM_VERSION",
+  "FREE_ORDERS",
+  "VLLM_FREE_ORDERS",
   "AllocateResult",
   "AppendResult",
   "BatchView",
@@ -31,6 +35,7 @@ __all__ = [
   "check_state",
   "init",
   "status_name",
+  "vllm_free_order",
 ]
 
 
@@ -169,9 +174,9 @@ class ReleaseResult(NamedTuple):
   Attributes:
     status: ``[]`` int32 :class:`Status`.
     freed_blocks: ``[M]`` int32 blocks that reached refcount 0 in reverse
-      table order (the order they joined the queue tail; with
-      ``unpublished_first`` the unpublished ones, in this order, were put at
-      the head instead), ``NO_BLOCK`` beyond ``num_freed``.
+      table order (the order they joined the queue tail; in vLLM 0.23+'s
+      order the unpublished ones, in this order, were put at the head
+      instead), ``NO_BLOCK`` beyond ``num_freed``.
     num_freed: ``[]`` int32.
   """
 
@@ -285,3 +290,76 @@ def _status_names() -> dict[int, str]:
 def status_name(status) -> str:
   """Human-readable name of a status code (host side)."""
   return _status_names().get(int(status), f"UNKNOWN({int(status)})")
+
+
+# ---------------------------------------------------------------------------
+# vLLM's release order, by release (the paging core's release and the
+# prefix cache's take a version name).
+
+FREE_ORDERS = ("append", "prepend_unhashed")
+"""Accepted ``free_order`` values."""
+
+VLLM_FREE_ORDERS = {"0.33": "prepend_unhashed", "0.22": "append"}
+"""The release order of each vLLM release line, read from its source.
+
+Both free a request's blocks in reverse table order
+(``vllm/v1/core/single_type_kv_cache_manager.py``
+``SingleTypeKVCacheManager.free``, line 598 of 0.33.0:
+``free_blocks(reversed(...))``) and queue those reaching ``ref_cnt == 0``:
+
+* ``"0.33"`` (every release from 0.23 on): ``vllm/v1/core/block_pool.py``
+  ``BlockPool.free_blocks`` (lines 816-847 of 0.33.0) collects, in that
+  order, the blocks with ``block_hash is None`` ("LIFO reuse of non-cached
+  blocks") and the others, then ``free_block_queue.prepend_n`` puts the
+  first list at the queue head keeping its order (so the request's last
+  unhashed block becomes the head; ``kv_cache_utils.py``
+  ``FreeKVCacheBlockQueue.prepend_n``, line 438) and ``append_n`` puts the
+  hashed ones at the tail ("FIFO reuse of cached blocks for LRU eviction
+  behavior"): ``free_order="prepend_unhashed"``. 0.22.0 has no
+  ``prepend_n``; 0.23.0 has it.
+* ``"0.22"`` (0.8 .. 0.22): every freed block is appended at the tail
+  (``block_pool.py BlockPool.free_blocks`` of 0.8.0, 0.11.0, 0.16.0, 0.20.0
+  and 0.22.0): ``free_order="append"``.
+"""
+
+DEFAULT_VLLM_VERSION = "0.33"
+"""The vLLM release whose rules are the default (the newest one read)."""
+
+_FIRST_HEAD_ORDER = 23  # 0.23: BlockPool.free_blocks gained prepend_n
+_OLDEST_V1 = 8  # 0.8.0: the first release read (v1 engine by default)
+_NEWEST_READ = 33
+
+
+def vllm_free_order(vllm_version: str) -> str:
+  """The ``free_order`` of a vLLM release (see :data:`VLLM_FREE_ORDERS`).
+
+  Args:
+    vllm_version: ``"latest"`` (= :data:`DEFAULT_VLLM_VERSION`) or
+      ``"0.N"`` / ``"0.N.P"`` with ``8 <= N <= 33``: ``N >= 23`` gives
+      ``"prepend_unhashed"``, older releases ``"append"``.
+
+  Raises:
+    TypeError: not a string.
+    ValueError: any other string (the message lists the accepted values).
+
+  Example:
+    >>> from prefixjax.cache.paging_state import vllm_free_order
+    >>> vllm_free_order("0.33"), vllm_free_order("0.22.0")
+    ('prepend_unhashed', 'append')
+  """
+  if not isinstance(vllm_version, str):
+    raise TypeError(
+      f"vllm_version must be a string such as '0.33', got {vllm_version!r}"
+    )
+  version = DEFAULT_VLLM_VERSION if vllm_version == "latest" else vllm_version
+  found = re.fullmatch(r"0\.(\d+)(?:\.\d+)?", version)
+  minor = int(found[1]) if found else -1
+  if not _OLDEST_V1 <= minor <= _NEWEST_READ:
+    raise ValueError(
+      f"vllm_version={vllm_version!r} is not supported: give 'latest' or "
+      f"'0.{_FIRST_HEAD_ORDER}' .. '0.{_NEWEST_READ}' (unhashed freed blocks "
+      f"at the queue head; {DEFAULT_VLLM_VERSION!r} is the default), "
+      f"or '0.{_OLDEST_V1}' .. '0.{_FIRST_HEAD_ORDER - 1}' (all at the "
+      "tail); a patch number ('0.33.0') may follow"
+    )
+  return "prepend_unhashed" if minor >= _FIRST_HEAD_ORDER else "append"

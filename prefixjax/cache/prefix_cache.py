@@ -520,8 +520,9 @@ def release(state, seq_id):
   :func:`prefixjax.cache.paging.release` in reverse table order (the last
   block first): with ``free_order="append"`` all at the tail (vLLM <= 0.22),
   with ``"prepend_unhashed"`` (vLLM >= 0.23, the default) the unhashed ones
-  at the head and the hashed ones at the tail (``unpublished_first``: a
-  block is ``published`` exactly while it carries a hash; vLLM 0.33.0
+  at the head and the hashed ones at the tail (the paging release of
+  ``vllm_version="0.33"``: a block is ``published`` exactly while it
+  carries a hash; vLLM 0.33.0
   ``vllm/v1/core/block_pool.py BlockPool.free_blocks``, lines 816-847).
   Hashed blocks stay findable until reused.
 
@@ -531,7 +532,7 @@ def release(state, seq_id):
   pstate, r = paging.release(
     state.paging,
     seq_id,
-    unpublished_first=state.free_order == "prepend_unhashed",
+    vllm_version="0.33" if state.free_order == "prepend_unhashed" else "0.22",
   )
   lanes = jnp.arange(r.freed_blocks.shape[0]) < r.num_freed
   hashed = lanes & (gather(state.dup_next, r.freed_blocks, NO_BLOCK) >= 0)

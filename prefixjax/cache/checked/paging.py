@@ -30,6 +30,7 @@ import numpy as np
 
 from prefixjax.cache import paging
 from prefixjax.cache.paging import BatchView, PagingState, check_state
+from prefixjax.cache.paging_state import DEFAULT_VLLM_VERSION
 
 __all__ = [
   "allocate",
@@ -98,16 +99,15 @@ def fork(state: PagingState, parent_id, child_id):
   )
 
 
-def release(state: PagingState, seq_id, *, unpublished_first: bool = False):
-  """Checked :func:`prefixjax.cache.paging.release` (``unpublished_first``
-  must be a Python bool: it is static)."""
+def release(
+  state: PagingState, seq_id, *, vllm_version: str = DEFAULT_VLLM_VERSION
+):
+  """Checked :func:`prefixjax.cache.paging.release` (``vllm_version`` a
+  release name, static: checked before any work)."""
   check_state(state)
-  if not isinstance(unpublished_first, bool):
-    raise TypeError(
-      f"unpublished_first={unpublished_first!r} must be a bool (static)"
-    )
+  paging.vllm_free_order(vllm_version)  # raises naming the accepted ones
   return paging.release(
-    state, as_index("seq_id", seq_id), unpublished_first=unpublished_first
+    state, as_index("seq_id", seq_id), vllm_version=vllm_version
   )
 
 
