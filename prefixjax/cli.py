@@ -466,7 +466,37 @@ def _replay_serving(args, trace, load_s) -> int:
       vllm_version=args.vllm_version,
     )
     timing, points = timing + result.timing, points + list(result)
-  return _report(args, trace, points, None, load_s, timing)
+  ceiling, spent = _serving_ceiling(args, trace, block_size, points[0])
+  return _report(args, trace, points, ceiling, load_s, timing + spent)
+
+
+def _serving_ceiling(args, trace, block_size, like):
+  """The same semantics with room for every block of the trace at once
+  (nothing is ever evicted): the ceiling of any capacity. Reported over
+  the measured window of ``like``, never underfilled; with its timing."""
+  import dataclasses
+
+  from prefixjax import replay as rp
+
+  unbounded = int((-(-trace.kv_tokens // block_size)).sum()) + 1
+  result = rp.replay(
+    trace,
+    semantics=args.semantics,
+    block_size=block_size,
+    capacities=[unbounded],
+    warmup_fraction=args.warmup_fraction,
+    publish=args.publish,
+    vllm_version=args.vllm_version,
+  )
+  (point,) = result
+  warm = len(trace) - like.measured_requests
+  return dataclasses.replace(
+    point,
+    policy="ceiling",
+    hit_tokens=int(point.per_request_hit_tokens[warm:].sum()),
+    total_tokens=like.total_tokens,
+    underfilled=False,
+  ), result.timing
 
 
 def _progress(items, desc: str, unit: str):

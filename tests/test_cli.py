@@ -427,3 +427,67 @@ def test_cli_no_compile_cache_turns_off_jax_own_cache_too(tmp_path):
     [*argv, "--no-compile-cache"], check=True, env=env, capture_output=True
   )
   assert not jax_dir.exists() or not any(jax_dir.iterdir())
+
+
+@pytest.mark.parametrize("semantics", ["vllm", "sglang"])
+def test_cli_replay_serving_semantics_reports_the_ceiling(
+  semantics, tmp_path, capsys, rng
+):
+  """The ceiling of a serving semantics is its hits with room for every
+  block: each request's longest block-aligned prefix shared with an
+  earlier request's prompt and outputs (the KV it held at its finish,
+  ``P + O - 1`` tokens), capped at ``P - 1``, over the measured window;
+  computed here in plain Python from the token ids."""
+  k = 4
+  trace = generate_workload(
+    "multi_turn",
+    num_requests=int(rng.integers(10, 20)),
+    seed=int(rng.integers(2**31)),
+    system_prompt_len=12,
+    question_len=(2, 12),
+    output_len=(1, 8),
+    vocab_size=64,
+  )
+  path = tmp_path / "t.jsonl"
+  path.write_text(
+    "".join(
+      json.dumps(
+        dict(
+          input_tok_ids=trace.input_token_ids[i].tolist(),
+          output_tok_ids=trace.output_token_ids[i].tolist(),
+          output_toks=int(trace.output_lengths[i]),
+          arrival_time_ns=i,
+        )
+      )
+      + "\n"
+      for i in range(len(trace))
+    )
+  )
+  warmup = float(rng.choice([0.0, 0.5]))
+  out = tmp_path / "c.json"
+  argv = ["replay", "--trace", str(path), "--semantics", semantics]
+  argv += ["--block-size", str(k), "--warmup-fraction", str(warmup)]
+  argv += ["--capacity", "60", "--json", str(out), "--no-compile-cache"]
+  assert cli.main(argv) == 0
+  capsys.readouterr()
+  payload = json.loads(out.read_text())
+  kv = [
+    np.concatenate([p, o])[: len(p) + max(len(o), 1) - 1]
+    for p, o in zip(trace.input_token_ids, trace.output_token_ids, strict=True)
+  ]
+  want = []
+  for i, prompt in enumerate(trace.input_token_ids):
+    best = 0
+    for seq in kv[:i]:
+      m = min(len(prompt), len(seq))
+      diff = np.flatnonzero(prompt[:m] != seq[:m])
+      best = max(best, int(diff[0]) if len(diff) else m)
+    # Whole blocks of the earlier sequence only, capped at P - 1.
+    want.append(min(best, len(prompt) - 1) // k * k)
+  (point,) = payload["points"]
+  warm = len(trace) - point["measured_requests"]
+  ceiling = payload["ceiling"]
+  assert ceiling["policy"] == "ceiling"
+  assert ceiling["hit_tokens"] == sum(want[warm:])
+  assert ceiling["total_tokens"] == point["total_tokens"]
+  assert point["hit_tokens"] <= ceiling["hit_tokens"]
