@@ -233,6 +233,13 @@ def _add_replay(subparsers) -> None:
   )
   p.add_argument("--limit", type=_positive_int, help="read only N requests")
   p.add_argument(
+    "--model",
+    default=None,
+    metavar="NAME",
+    help="a model preset (prefixjax.configs: llama3_8b, ...) whose KV bytes "
+    "per token put each capacity in GiB (table, JSON, the plot's top axis)",
+  )
+  p.add_argument(
     "--cpu-threads",
     type=_nonnegative_int,
     default=1,
@@ -304,6 +311,14 @@ def _check_replay_args(args) -> None:
       raise CliError(
         f"--plot {args.plot}: unknown figure format {ext or '(none)'!r}; "
         f"use one of {', '.join(sorted(kinds))}"
+      )
+  if args.model is not None:
+    from prefixjax import configs
+
+    if args.model not in configs.MODELS:
+      raise CliError(
+        f"--model {args.model}: unknown; use one of "
+        f"{', '.join(sorted(configs.MODELS))}"
       )
   if args.publish != "early" and args.semantics != "vllm":
     raise CliError(
@@ -510,8 +525,13 @@ def _progress(items, desc: str, unit: str):
 
 def _report(args, trace, points, ceiling, load_s, run_timing) -> int:
   """Prints the table and timings; writes ``--json`` and ``--plot``."""
-  rows = [_point_row(p) for p in points]
-  extra = [] if ceiling is None else [_point_row(ceiling)]
+  bytes_per_token = None
+  if args.model is not None:
+    from prefixjax import configs
+
+    bytes_per_token = configs.model_config(args.model).kv_bytes_per_token
+  rows = [_point_row(p, bytes_per_token) for p in points]
+  extra = [] if ceiling is None else [_point_row(ceiling, bytes_per_token)]
   print(_replay_table(rows + extra))
   timing = {
     "load_s": load_s,
@@ -548,14 +568,15 @@ def _report(args, trace, points, ceiling, load_s, run_timing) -> int:
       semantics=args.semantics,
       warmup_fraction=args.warmup_fraction,
       ceiling=None if ceiling is None else ceiling.hit_rate,
+      bytes_per_token=bytes_per_token,
       also=also,
     )
     print(f"wrote {', '.join(written)}")
   return 0
 
 
-def _point_row(point) -> dict:
-  return {
+def _point_row(point, bytes_per_token=None) -> dict:
+  row = {
     "policy": point.policy,
     "capacity_blocks": int(point.capacity_blocks),
     "block_size": int(point.block_size),
@@ -565,18 +586,27 @@ def _point_row(point) -> dict:
     "measured_requests": int(point.measured_requests),
     "mode": "underfilled" if point.underfilled else "measured",
   }
+  if bytes_per_token is not None:
+    row["capacity_gib"] = (
+      point.capacity_blocks * point.block_size * bytes_per_token / 2**30
+    )
+  return row
 
 
 def _replay_table(rows: list[dict]) -> str:
+  gib = bool(rows) and "capacity_gib" in rows[0]
   header = (
-    f"{'policy':>12} {'capacity':>9} {'hit tokens':>13} {'of tokens':>13} "
-    f"{'hit rate':>8} {'mode':>11}"
+    f"{'policy':>12} {'capacity':>9} "
+    + (f"{'GiB':>8} " if gib else "")
+    + f"{'hit tokens':>13} {'of tokens':>13} {'hit rate':>8} {'mode':>11}"
   )
   lines = [header, "-" * len(header)]
   for r in rows:
     lines.append(
-      f"{r['policy']:>12} {r['capacity_blocks']:>9,} {r['hit_tokens']:>13,} "
-      f"{r['total_tokens']:>13,} {r['hit_rate']:>8.2%} {r['mode']:>11}"
+      f"{r['policy']:>12} {r['capacity_blocks']:>9,} "
+      + (f"{r['capacity_gib']:>8.2f} " if gib else "")
+      + f"{r['hit_tokens']:>13,} {r['total_tokens']:>13,} "
+      f"{r['hit_rate']:>8.2%} {r['mode']:>11}"
     )
   return "\n".join(lines)
 

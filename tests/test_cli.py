@@ -491,3 +491,21 @@ def test_cli_replay_serving_semantics_reports_the_ceiling(
   assert ceiling["hit_tokens"] == sum(want[warm:])
   assert ceiling["total_tokens"] == point["total_tokens"]
   assert point["hit_tokens"] <= ceiling["hit_tokens"]
+
+
+def test_cli_replay_model_puts_capacities_in_gib(tmp_path, capsys, rng):
+  """``--model``: each capacity's KV bytes (Llama 3 8B: 32 layers, 8 KV
+  heads of 128, bf16: 128 KiB a token, from the model card's config)."""
+  capacities = sorted(int(c) for c in rng.integers(50, 5000, 2))
+  out = tmp_path / "g.json"
+  argv = ["replay", "--model", "llama3_8b", "--json", str(out)]
+  argv += ["--capacity", *map(str, capacities), "--policy", "fifo"]
+  assert cli.main(argv) == 0
+  assert "GiB" in capsys.readouterr().out
+  payload = json.loads(out.read_text())
+  for row in [*payload["points"], payload["ceiling"]]:
+    tokens = row["capacity_blocks"] * row["block_size"]
+    want = tokens * 2 * 32 * 8 * 128 * 2 / 2**30
+    assert row["capacity_gib"] == pytest.approx(want, rel=1e-12)
+  assert cli.main(["replay", "--model", "gpt5"]) == 2
+  assert "--model gpt5: unknown" in capsys.readouterr().err
