@@ -214,6 +214,23 @@ def test_slot_mapping_and_batch_view(rng):
   assert view.block_tables[0].tolist() == tables[2].tolist()
   assert view.lengths.tolist() == [lengths[2], lengths[0], 0]
   assert view.block_tables[2].tolist() == [0] * 6
+  # Inside jit a bad row is a status (the checked layer raises instead).
+  state, _ = paging.release(state, 1)
+  ids = rng.integers(-3, 7, size=12).astype(np.int32)
+  view = jax.jit(paging.batch_view)(state, jnp.asarray(ids))
+  S = paging.Status
+  want = [
+    S.BAD_SEQUENCE
+    if not 0 <= i < 4
+    else S.SEQUENCE_INACTIVE
+    if i == 1
+    else S.OK
+    for i in ids
+  ]
+  assert view.status.tolist() == want
+  bad = np.asarray(view.status) != S.OK
+  assert not np.asarray(view.lengths)[bad].any()
+  assert not np.asarray(view.block_tables)[bad].any()
 
 
 @pytest.mark.parametrize("sizes", SIZES[:3], ids=["a", "b", "c"])

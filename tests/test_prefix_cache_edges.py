@@ -521,6 +521,16 @@ def test_missing_keys_are_refused_never_padded(rng):
   assert int(r.status) == paging.Status.OK
   zeros = jnp.zeros((M, 2), jnp.uint32)
   assert int(checked.match(s, zeros, M * K).hit_tokens) == 0
+  # The traced verbs take [M, 2] keys only: a shape error names them.
+  for verb, args in (
+    (pc.match, (s, short, num_tokens)),
+    (pc.allocate_with_prefix, (s, jnp.int32(1), short, num_tokens)),
+    (pc.publish, (s, jnp.int32(0), short, num_tokens)),
+  ):
+    with pytest.raises(
+      ValueError, match=rf"block_keys has shape \({len(short)}, 2\)"
+    ):
+      jax.jit(verb)(*args)
 
 
 def test_publishing_more_tokens_than_held_is_an_error(rng):

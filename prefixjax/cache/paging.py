@@ -637,17 +637,23 @@ def batch_view(state: PagingState, seq_ids):
   Args:
     state: the pool.
     seq_ids: ``[B]`` int32; inactive or out-of-range ids give a row of
-      ``NULL_BLOCK`` and length 0.
+      ``NULL_BLOCK`` and length 0, with a non-OK ``status``.
 
   Returns:
-    A :class:`BatchView` with ``block_tables [B, M]`` and ``lengths [B]``.
+    A :class:`BatchView` with ``block_tables [B, M]``, ``lengths [B]`` and
+    each row's ``status [B]``.
   """
-  valid = (seq_ids >= 0) & (seq_ids < state.max_seqs)
-  valid = valid & gather(state.active, seq_ids, False)
+  in_range = (seq_ids >= 0) & (seq_ids < state.max_seqs)
+  valid = in_range & gather(state.active, seq_ids, False)
   rows = state.block_tables.at[jnp.where(valid, seq_ids, 0)].get(mode="clip")
   rows = jnp.where(valid[:, None], rows, NULL_BLOCK)
   lengths = jnp.where(valid, gather(state.num_tokens, seq_ids), 0)
-  return BatchView(rows, lengths)
+  status = jnp.where(
+    in_range,
+    jnp.where(valid, Status.OK, Status.SEQUENCE_INACTIVE),
+    Status.BAD_SEQUENCE,
+  ).astype(jnp.int32)
+  return BatchView(rows, lengths, status)
 
 
 # ---------------------------------------------------------------------------

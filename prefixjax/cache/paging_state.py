@@ -191,10 +191,15 @@ class BatchView(NamedTuple):
   Attributes:
     block_tables: ``[B, M]`` int32, ``NULL_BLOCK`` padded.
     lengths: ``[B]`` int32 tokens per sequence (0 for inactive slots).
+    status: ``[B]`` int32 :class:`Status` of each row: ``OK``,
+      ``BAD_SEQUENCE`` (an id outside ``[0, max_seqs)``) or
+      ``SEQUENCE_INACTIVE``; the row is then all ``NULL_BLOCK`` and length
+      0, which a kernel reads as an empty sequence.
   """
 
   block_tables: jax.Array  # [B, M] int32
   lengths: jax.Array  # [B] int32
+  status: jax.Array  # [B] int32
 
 
 # ---------------------------------------------------------------------------

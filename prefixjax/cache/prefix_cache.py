@@ -169,6 +169,18 @@ def _match_versioned(
   return MatchResult(hits, num_hits, num_hits * k)
 
 
+def _check_keys(state: PrefixCacheState, block_keys) -> None:
+  """Static shape check (at trace time): a verb's keys are ``[M, 2]``."""
+  want = (state.max_blocks_per_seq, 2)
+  if tuple(jnp.shape(block_keys)) != want:
+    raise ValueError(
+      f"block_keys has shape {tuple(jnp.shape(block_keys))}; the prefix "
+      f"cache's verbs take [max_blocks_per_seq, 2] = {list(want)} "
+      "(prefixjax.cache.checked.prefix_cache pads a prompt's [L, 2] keys "
+      "to that and refuses too few for its full blocks)"
+    )
+
+
 def _seq_checks(state: PrefixCacheState, seq_id, want_active: bool):
   return paging.seq_status(state.paging, seq_id, want_active)
 
@@ -201,6 +213,7 @@ def match(state, block_keys, num_prompt_tokens):
     >>> int(pc.match(s, keys, 16).hit_tokens)  # capped at 15 -> 3 blocks
     12
   """
+  _check_keys(state, block_keys)
   return _match_versioned(
     state, versioned(state, block_keys), num_prompt_tokens
   )
@@ -244,6 +257,7 @@ def allocate_with_prefix(
     >>> r.new_blocks.tolist(), int(r.num_hit_blocks)
     ([1, 2, 3, 4], 0)
   """
+  _check_keys(state, block_keys)
   k, m = state.block_size, state.max_blocks_per_seq
   policy = state.policy
   if next_use is None:
@@ -416,6 +430,7 @@ def publish(state, seq_id, block_keys, num_tokens, next_use=None):
     ``(new_state, PublishResult)``. ``BAD_COUNT`` (nothing published) when
     ``num_tokens`` is negative or more than the sequence holds.
   """
+  _check_keys(state, block_keys)
   k, m = state.block_size, state.max_blocks_per_seq
   if next_use is None:
     next_use = jnp.full((m,), policies_lib.NEVER, jnp.int32)
