@@ -589,3 +589,27 @@ def test_priority_random_configs_match_model(rng):
     step_time_ms = float(rng.choice([0.5, 2.0]))
     records = _timed_records(rng, records, step_time_ms, idle_gaps=False)
     _compare(records, config, step_time_ms=step_time_ms)
+
+
+def test_frames_hold_the_records(rng):
+  """``SimResult.frame``: the records and metrics as pandas DataFrames."""
+  config = _config()
+  got = serving.simulate(_records(rng), config, max_steps=MAX_STEPS)
+  reqs, steps = got.requests(), got.steps()
+  df = got.frame()
+  assert df["rid"].tolist() == list(range(len(reqs)))
+  for key in ("prompt_len", "num_output_tokens", "finish_step", "status"):
+    # A rejected request has no such key: NaN in the frame.
+    col = [None if v != v else v for v in df[key].tolist()]
+    assert col == [r.get(key) for r in reqs], key
+  df = got.frame("steps")
+  assert len(df) == got.num_steps
+  assert df["tokens"].tolist() == [s["tokens"] for s in steps]
+  assert df["sched"].tolist() == got.scheduled()
+  (row,) = got.frame("metrics").to_dict("records")
+  for key, value in got.metrics().items():
+    assert row[key] == value or (value is None and row[key] != row[key]), key
+  assert row["block_size"] == config.block_size
+  assert row["scheduler"] == "fcfs"
+  with pytest.raises(ValueError, match="what='rows' must be"):
+    got.frame("rows")

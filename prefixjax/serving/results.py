@@ -355,6 +355,41 @@ class SimResult:
     m["throughput_requests_per_s"] = finished / span if ok else None
     return m
 
+  def frame(self, what: str = "requests"):
+    """A tidy ``pandas.DataFrame`` of the run, for research code.
+
+    Args:
+      what: ``"requests"`` (one row per request, :meth:`requests`'s keys;
+        ``rid`` the 0-based record index), ``"steps"`` (one row per
+        executed step, :meth:`steps`'s keys) or ``"metrics"`` (one row,
+        :meth:`metrics`, with the configuration's fields beside it).
+
+    Example:
+      >>> import prefixjax as pj
+      >>> from prefixjax.serving import ServingConfig, simulate
+      >>> trace = pj.generate_workload("multi_turn", num_requests=6, seed=0)
+      >>> config = ServingConfig(num_gpu_blocks=200, block_size=16,
+      ...                        max_num_seqs=4, max_num_batched_tokens=256,
+      ...                        max_model_len=2048)
+      >>> df = simulate(trace, config).frame()
+      >>> len(df), "hit_first_sched" in df.columns
+      (6, True)
+    """
+    import pandas as pd
+
+    if what == "requests":
+      return pd.DataFrame(self.requests())
+    if what == "steps":
+      return pd.DataFrame(self.steps())
+    if what == "metrics":
+      config = {
+        f.name: getattr(self.config, f.name)
+        for f in dataclasses.fields(self.config)
+      }
+      config["scheduler"] = self.config.scheduler_name
+      return pd.DataFrame([{**config, **self.metrics()}])
+    raise ValueError(f"what={what!r} must be 'requests', 'steps' or 'metrics'")
+
   def _timed_series(self, done, multi) -> dict[str, np.ndarray]:
     start, end = self.step_times_s()
     arr = self.arrival_s[done]
