@@ -8,8 +8,12 @@ Every series gets its own colour (Okabe-Ito, colour-blind safe), marker and
 line style, in series order, so a series hidden under another still shows and
 the figure reads in greyscale. The x axis is ticked at the measured values
 themselves, thinned where labels would touch; the scheduler figure's is
-categorical, its labels tilted where they would touch. Raster output is 300
-dpi; a ``.pdf`` or ``.svg`` path writes vector output.
+categorical, its labels tilted where they would touch. The legend sits
+outside every axes: right of a wide figure's axes and of their labels (a
+twin axis's too), under a narrow one's x axis. A y axis in percent runs
+from 0 to a little over the highest value, or 0-100 when every value is 0.
+Raster output is 300 dpi; a ``.pdf`` or ``.svg`` path writes vector
+output.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import pathlib
+import re
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -33,6 +38,7 @@ __all__ = [
   "plot_hit_rates",
   "plot_routers",
   "plot_schedulers",
+  "router_figure",
   "scheduler_figure",
 ]
 
@@ -125,6 +131,7 @@ def plot_hit_rate_vs_block_size(
   trace: str | None = None,
   semantics: str | None = None,
   warmup_fraction: float | None = None,
+  cache_tokens: int | None = None,
   figsize: tuple[float, float] = FIGSIZE,
   also: Sequence[str] = (),
 ) -> list[str]:
@@ -133,9 +140,13 @@ def plot_hit_rate_vs_block_size(
   Args:
     rows: point dicts with ``block_size`` and ``hit_rate``; optional
       ``policy`` (one line each; default one line), ``mode`` (as in
-      :func:`plot_hit_rates`) and ``fragmentation`` (share of allocated
+      :func:`plot_hit_rates`), ``fragmentation`` (share of allocated
       token slots left empty, drawn on a right-hand axis, averaged per block
-      size).
+      size) and ``capacity_blocks``.
+    cache_tokens: the cache size the rows were replayed at, in tokens,
+      named in the caption. ``None`` takes it from the rows when
+      ``capacity_blocks * block_size`` is the same in all of them (else the
+      caption names ``capacity_blocks`` when that is).
     path, title, trace, semantics, warmup_fraction, figsize, also: as in
       :func:`plot_hit_rates`.
 
@@ -148,6 +159,7 @@ def plot_hit_rate_vs_block_size(
     trace=trace,
     semantics=semantics,
     warmup_fraction=warmup_fraction,
+    cache_tokens=cache_tokens,
     figsize=figsize,
   )
   return _save(fig, path, also)
@@ -180,6 +192,7 @@ def hit_rate_figure(
   if underfilled:
     handles.append(_underfilled_handle())
   peak = max([100 * r["hit_rate"] for r in rows] + [0.0])
+  ceiling_label = None
   if ceiling is not None:
     label = f"unbounded cache {100 * ceiling:.1f}%"
     handles.append(
@@ -192,19 +205,20 @@ def hit_rate_figure(
         zorder=2,
       )
     )
-    ax.text(
-      0.99,
-      100 * ceiling,
-      label,
-      transform=ax.get_yaxis_transform(),
-      ha="right",
-      va="bottom",
-      fontsize=8,
-      color="0.3",
-    )
+    if ceiling > 0:  # at 0 it would sit on the markers; the legend says it
+      ceiling_label = ax.text(
+        0.99,
+        100 * ceiling,
+        label,
+        transform=ax.get_yaxis_transform(),
+        ha="right",
+        va="bottom",
+        fontsize=8,
+        color="0.3",
+      )
     peak = max(peak, 100 * ceiling)
   _note_if_empty(ax, rows, ceiling)
-  ax.set_ylim(0, 1.15 * peak if peak > 0 else 1.0)
+  _percent_axis(ax, peak)
   ax.set_xlabel("cache capacity (blocks)", fontsize=9)
   ax.set_ylabel("token hit rate (%)", fontsize=9)
   _legend(fig, ax, handles)
@@ -240,6 +254,10 @@ def hit_rate_figure(
   kept = _fit_ticks(fig, ax.xaxis, capacities, count_label)
   if top is not None:
     _fit_ticks(fig, top.xaxis, capacities, top_label, start=kept)
+  _wrap_long_labels([ax])
+  _settle_legend(fig)
+  if ceiling_label is not None:
+    _fit_inside(fig, ax, ceiling_label)
   return fig
 
 
@@ -250,11 +268,13 @@ def block_size_figure(
   trace: str | None = None,
   semantics: str | None = None,
   warmup_fraction: float | None = None,
+  cache_tokens: int | None = None,
   figsize: tuple[float, float] = FIGSIZE,
 ) -> Figure:
   """The figure :func:`plot_hit_rate_vs_block_size` saves."""
   if not rows:
     raise ValueError("no rows to plot")
+  cache = _cache_size(rows, cache_tokens)
   fig, ax = _new_figure(figsize)
   handles, underfilled = _draw_series(
     ax, rows, "block_size", default="hit rate"
@@ -282,12 +302,12 @@ def block_size_figure(
       **style,
     )
     handles.append(line)
-    right.set_ylim(0, 1.15 * max(ys) if max(ys) > 0 else 1.0)
+    _percent_axis(right, max(ys))
     right.set_ylabel("internal fragmentation (%)", fontsize=9)
     right.tick_params(labelsize=8)
   peak = max([100 * r["hit_rate"] for r in rows] + [0.0])
   _note_if_empty(ax, rows, None)
-  ax.set_ylim(0, 1.15 * peak if peak > 0 else 1.0)
+  _percent_axis(ax, peak)
   ax.set_xlabel("block size (tokens)", fontsize=9)
   ax.set_ylabel("token hit rate (%)", fontsize=9)
   _legend(fig, ax, handles)
@@ -304,8 +324,11 @@ def block_size_figure(
     warmup_fraction=warmup_fraction,
     semantics=semantics,
     underfilled=underfilled,
+    first=[cache] if cache else [],
   )
   _fit_ticks(fig, ax.xaxis, sizes, count_label)
+  _wrap_long_labels(fig.axes)
+  _settle_legend(fig)
   return fig
 
 
@@ -470,6 +493,7 @@ def scheduler_figure(
     notes.append("in scheduler steps: a run had no clock in seconds")
   _caption(fig, notes=notes)
   _fit_category_labels(fig, axes)
+  _settle_legend(fig)
   return fig
 
 
@@ -501,6 +525,18 @@ def plot_routers(
   Raises:
     ValueError: no rows, or a row without those keys.
   """
+  fig = router_figure(rows, title=title, trace=trace, figsize=figsize)
+  return _save(fig, path, also)
+
+
+def router_figure(
+  rows: Sequence[Mapping[str, Any]],
+  *,
+  title: str | None = None,
+  trace: str | None = None,
+  figsize: tuple[float, float] = (6.4, 4.0),
+) -> Figure:
+  """The figure :func:`plot_routers` saves."""
   if not rows:
     raise ValueError("no rows to plot")
   for i, r in enumerate(rows):
@@ -555,7 +591,10 @@ def plot_routers(
   if title:
     ax.set_title(title, fontsize=10)
   _legend(fig, ax, handles)
-  return _save(fig, path, also)
+  fig.draw_without_rendering()
+  _wrap_long_labels([ax])
+  _settle_legend(fig)
+  return fig
 
 
 def _new_figure(figsize: tuple[float, float]):
@@ -582,32 +621,64 @@ def _panels(figsize: tuple[float, float], n: int):
 
 
 def _legend(fig, ax, handles) -> None:
-  """Outside the axes, so it covers no data: on the right of a wide figure,
-  under the x label of a narrow one (under 5 inches)."""
-  from matplotlib.transforms import offset_copy
-
+  """Outside every axes, so it covers no data and no axis: a figure legend
+  right of everything in a wide figure (past a twin axis's tick labels and
+  label too: constrained layout makes room for it beside all the axes' own
+  decorations), under the x axis of a narrow one (under 5 inches; in one
+  column where two would be wider than the figure), moved clear of its
+  labels by :func:`_settle_legend`."""
   if fig.get_figwidth() >= 5:
-    ax.legend(
+    fig.legend(
       handles=handles,
-      loc="upper left",
-      bbox_to_anchor=(1.02, 1.0),
-      borderaxespad=0.0,
+      loc="outside right upper",
       frameon=False,
       fontsize=8,
     )
     return
-  # 36 points below the axes: clear of the tick labels and the x label.
-  below = offset_copy(ax.transAxes, fig=fig, y=-36, units="points")
-  ax.legend(
-    handles=handles,
-    loc="upper center",
-    bbox_to_anchor=(0.5, 0.0),
-    bbox_transform=below,
-    borderaxespad=0.0,
-    frameon=False,
-    fontsize=8,
-    ncols=2,
-  )
+  for ncols in (2, 1):
+    legend = ax.legend(
+      handles=handles,
+      loc="upper center",
+      bbox_to_anchor=(0.5, 0.0),
+      bbox_transform=_below(fig, ax, _BELOW_POINTS),
+      borderaxespad=0.0,
+      frameon=False,
+      fontsize=8,
+      ncols=ncols,
+    )
+    # Measured before any layout, which a legend wider than the figure
+    # would make fail; long labels go in one column.
+    width = legend.get_window_extent(fig.canvas.get_renderer()).width
+    if width <= 0.95 * fig.bbox.width:
+      return
+
+
+# A first guess at the height of the x axis's labels under the axes (one
+# line of tick labels and the axis label), corrected by _settle_legend.
+_BELOW_POINTS = 36.0
+
+
+def _below(fig, ax, points: float):
+  """Axes coordinates moved down by ``points``."""
+  from matplotlib.transforms import offset_copy
+
+  return offset_copy(ax.transAxes, fig=fig, y=-points, units="points")
+
+
+def _settle_legend(fig) -> None:
+  """Moves a legend under an axes to just below that axes' x tick labels
+  and x label, measured once the figure is laid out (tilted labels are
+  taller than a guess)."""
+  for ax in fig.axes:
+    legend = ax.get_legend()
+    if legend is None or fig.get_figwidth() >= 5:
+      continue
+    for _ in range(2):  # the layout moves the axes, not their labels' size
+      fig.draw_without_rendering()
+      boxes = [ax.xaxis.get_tightbbox(), ax.bbox]
+      low = min(b.y0 for b in boxes if b is not None)
+      points = (ax.bbox.y0 - low) * 72 / fig.dpi + 6
+      legend.set_bbox_to_anchor((0.5, 0.0), transform=_below(fig, ax, points))
 
 
 def _style(i: int) -> dict:
@@ -632,9 +703,16 @@ def _draw_series(ax, rows, xkey: str, default: str = "") -> tuple[list, bool]:
     )
     xs = [x for x, _, mode in points if mode != "underfilled"]
     ys = [y for _, y, mode in points if mode != "underfilled"]
-    (line,) = ax.plot(
-      xs, ys, label=str(name), clip_on=False, zorder=3, **_LINE, **style
-    )
+    if xs:
+      (line,) = ax.plot(
+        xs, ys, label=str(name), clip_on=False, zorder=3, **_LINE, **style
+      )
+    else:
+      # Only a legend entry: an empty unclipped line in the axes has an
+      # infinite extent, and the layout then collapses the axes.
+      from matplotlib.lines import Line2D
+
+      line = Line2D([], [], label=str(name), **_LINE, **style)
     handles.append(line)
     under = [x for x, _, mode in points if mode == "underfilled"]
     if under:
@@ -748,11 +826,56 @@ def _fit_category_labels(fig, axes) -> None:
         rotation_mode="anchor",
       )
     fig.draw_without_rendering()  # the axes are shorter now
+  _wrap_long_labels(axes)
+
+
+def _wrap_long_labels(axes) -> None:
+  """Breaks a y label taller than its axes, or an x label wider than its
+  axes, before its parenthesis (the figure must have been drawn)."""
   for ax in axes:
-    label = ax.yaxis.label
-    text = label.get_text()
-    if " (" in text and label.get_window_extent().height > ax.bbox.height:
-      label.set_text(text.replace(" (", "\n(", 1))
+    for label, size, room in (
+      (ax.yaxis.label, lambda box: box.height, ax.bbox.height),
+      (ax.xaxis.label, lambda box: box.width, ax.bbox.width),
+    ):
+      text = label.get_text()
+      if " (" in text and size(label.get_window_extent()) > room:
+        label.set_text(text.replace(" (", "\n(", 1))
+
+
+def _fit_inside(fig, ax, text) -> None:
+  """Raises the top of ``ax``'s y axis until ``text`` (drawn above a line
+  in data coordinates) clears the axes' top edge."""
+  for _ in range(3):
+    fig.draw_without_rendering()
+    over = text.get_window_extent().y1 + 2 - ax.bbox.y1
+    if over <= 0:
+      return
+    low, high = ax.get_ylim()
+    ax.set_ylim(low, high + over * (high - low) / ax.bbox.height)
+
+
+def _cache_size(rows, cache_tokens: int | None) -> str | None:
+  """The caption's words for the cache a block-size figure was drawn at."""
+  blocks = {r.get("capacity_blocks") for r in rows}
+  if cache_tokens is None and None not in blocks:
+    tokens = {r["capacity_blocks"] * r["block_size"] for r in rows}
+    if len(tokens) == 1:
+      cache_tokens = tokens.pop()
+  if cache_tokens is not None:
+    text = f"cache of {cache_tokens:,} tokens at every block size"
+    if None not in blocks and len(blocks) > 1:
+      text += f" ({min(blocks):,} to {max(blocks):,} blocks)"
+    return text
+  if len(blocks) == 1 and None not in blocks:
+    return f"cache of {blocks.pop():,} blocks at every block size"
+  return None
+
+
+def _percent_axis(ax, peak: float) -> None:
+  """A y axis in percent from 0 to a little over ``peak``; with nothing
+  above 0 the whole 0-100 scale, whose ticks read as percentages (a 0-1
+  axis labelled % reads as fractions)."""
+  ax.set_ylim(0, 1.15 * peak if peak > 0 else 100.0)
 
 
 def _note_if_empty(ax, rows, ceiling: float | None) -> None:
@@ -878,11 +1001,14 @@ def _gib_label(value: float) -> str:
 
 
 def _trace_stem(trace: str) -> str:
-  """``data/mooncake_trace.jsonl.gz`` -> ``mooncake_trace``."""
+  """``data/mooncake_trace.jsonl.gz`` -> ``mooncake_trace``; a name with no
+  extension stays whole (``llama-3.1-8b`` keeps its ``.1-8b``)."""
   path = pathlib.PurePath(trace)
   while path.suffix.lower() in _COMPRESSED:
     path = path.with_suffix("")
-  return path.stem
+  if re.fullmatch(r"\.[A-Za-z][A-Za-z0-9]{0,7}", path.suffix):
+    return path.stem
+  return path.name
 
 
 def _caption(
@@ -894,10 +1020,11 @@ def _caption(
   semantics: str | None = None,
   underfilled: bool = False,
   notes: Sequence[str] = (),
+  first: Sequence[str] = (),
 ) -> None:
-  """Small text under the axes: block size, measured window, semantics,
-  then ``notes``."""
-  parts = []
+  """Small text under the axes: ``first``, block size, measured window,
+  semantics, then ``notes``."""
+  parts = list(first)
   if block_size is not None:
     parts.append(f"block size {block_size} tokens")
   if bytes_per_token is not None:

@@ -53,8 +53,17 @@ def _labels(axis):
   return [t.get_text() for t in axis.get_ticklabels() if t.get_text()]
 
 
-def _legend_texts(ax):
-  return [t.get_text() for t in ax.get_legend().get_texts()]
+def _legend(fig):
+  """The figure's one legend: a figure legend (wide figures) or the legend
+  of one of its axes (narrow ones)."""
+  legends = list(fig.legends)
+  legends += [ax.get_legend() for ax in fig.axes if ax.get_legend()]
+  assert len(legends) == 1, legends
+  return legends[0]
+
+
+def _legend_texts(fig):
+  return [t.get_text() for t in _legend(fig).get_texts()]
 
 
 def _caption(fig):
@@ -85,6 +94,9 @@ def test_count_labels_read_as_numbers(value, label):
     ("data/mooncake_trace.jsonl", "mooncake_trace"),
     ("/x/conv.v2.jsonl.gz", "conv.v2"),
     ("lengths.csv", "lengths"),
+    ("/d/llama-3.1-8b-300-sps10.jsonl", "llama-3.1-8b-300-sps10"),
+    # A trace's name without its extension (as the CLI passes it).
+    ("llama-3.1-8b-300-sps10", "llama-3.1-8b-300-sps10"),
   ],
 )
 def test_the_title_is_the_trace_stem(trace, stem):
@@ -139,9 +151,8 @@ def test_every_series_has_its_own_marker_line_style_and_colour(rng):
   policies = [f"policy{i}" for i in rng.permutation(k)]
   caps = _capacities(rng, 5)
   fig = plots.hit_rate_figure(_rows(rng, policies, caps, underfilled=1))
-  ax = fig.axes[0]
-  legend = ax.get_legend()
-  texts = _legend_texts(ax)
+  legend = _legend(fig)
+  texts = _legend_texts(fig)
   assert texts == policies + ["underfilled (reported 0)"]
   series = legend.legend_handles[:k]
   assert len({h.get_marker() for h in series}) == k
@@ -150,7 +161,7 @@ def test_every_series_has_its_own_marker_line_style_and_colour(rng):
   assert len({h.get_linestyle() for h in first}) == len(first)
   # Series order fixes the style: the same rows draw the same figure.
   again = plots.hit_rate_figure(_rows(rng, policies, caps, underfilled=1))
-  again_series = again.axes[0].get_legend().legend_handles[:k]
+  again_series = _legend(again).legend_handles[:k]
   assert [h.get_marker() for h in again_series] == [
     h.get_marker() for h in series
   ]
@@ -165,7 +176,7 @@ def test_the_ceiling_is_a_labelled_dashed_line(rng):
   ax = fig.axes[0]
   label = f"unbounded cache {100 * ceiling:.1f}%"
   assert label in [t.get_text() for t in ax.texts]
-  assert _legend_texts(ax)[-1] == label
+  assert _legend_texts(fig)[-1] == label
   (line,) = [ln for ln in ax.lines if ln.get_label() == label]
   assert line.get_linestyle() == "--"
   assert list(line.get_ydata()) == pytest.approx([100 * ceiling] * 2)
@@ -274,6 +285,7 @@ def test_an_unknown_format_writes_nothing(tmp_path, rng):
   "modes, ceiling, note",
   [
     ("measured", None, "no hits: the trace shares no prefix"),
+    ("measured", 0.0, "no hits: the trace shares no prefix"),
     ("underfilled", None, "every point underfilled"),
     ("measured", 0.3, "no hits at these capacities"),
   ],
@@ -288,10 +300,50 @@ def test_an_all_zero_trace_says_why_it_is_flat(rng, modes, ceiling, note):
   fig = _drawn(plots.hit_rate_figure(rows, ceiling=ceiling))
   ax = fig.axes[0]
   assert note in [t.get_text() for t in ax.texts]
-  top = 1.0 if ceiling is None else 1.15 * 100 * ceiling
-  assert ax.get_ylim() == pytest.approx((0.0, top))
+  if ceiling:
+    # Room above the ceiling for its label (raised if the label needs it).
+    assert ax.get_ylim()[0] == 0 and ax.get_ylim()[1] >= 1.15 * 100 * ceiling
+  else:
+    # Nothing to scale to: the whole 0-100% scale, not a 0-1 one.
+    assert ax.get_ylim() == pytest.approx((0.0, 100.0))
+    _assert_percent_ticks(ax.yaxis, up_to=100)
+    # A zero ceiling is named in the legend, not written over the markers.
+    assert len(ax.texts) == 1
   if modes == "measured":
     assert all(set(ln.get_ydata()) <= {0.0} for ln in ax.lines[:2])
+
+
+def _assert_percent_ticks(axis, up_to):
+  """The tick labels of a y axis labelled (%) read as percentages: whole
+  numbers from 0 up to ``up_to`` (a 0-1 axis would read as fractions)."""
+  assert axis.get_label_text().replace("\n", " ").endswith("(%)")
+  shown = [
+    float(t.get_text().replace("\N{MINUS SIGN}", "-"))
+    for t in axis.get_ticklabels()
+    if t.get_text()
+  ]
+  low, high = axis.axes.get_ylim()
+  inside = [v for v in shown if low <= v <= high]
+  assert len(inside) >= 3, shown
+  assert min(inside) == 0 and max(inside) == up_to, shown
+  assert all(v == round(v) for v in inside), shown
+
+
+def test_an_all_zero_block_size_figure_is_in_percent_on_both_axes(rng):
+  sizes = [4, 8, 16, 32]
+  rows = [
+    dict(policy=p, block_size=b, hit_rate=0.0, fragmentation=0.0)
+    for p in ("lru", "fifo")
+    for b in sizes
+  ]
+  fig = _drawn(plots.block_size_figure(rows))
+  ax, right = fig.axes
+  assert "no hits: the trace shares no prefix" in [
+    t.get_text() for t in ax.texts
+  ]
+  for axes in (ax, right):
+    assert axes.get_ylim() == pytest.approx((0.0, 100.0))
+    _assert_percent_ticks(axes.yaxis, up_to=100)
 
 
 def test_a_trace_with_hits_has_no_note(rng):
@@ -328,8 +380,8 @@ def test_hit_rate_and_fragmentation_against_block_size(tmp_path, rng):
   assert ax.get_xscale() == "log"
   labels = _labels(ax.xaxis)
   assert labels == [str(s) for s in sizes]
-  assert _legend_texts(ax) == policies + ["internal fragmentation"]
-  handles = ax.get_legend().legend_handles
+  assert _legend_texts(fig) == policies + ["internal fragmentation"]
+  handles = _legend(fig).legend_handles
   assert len({h.get_marker() for h in handles}) == k + 1
   (frag,) = right.lines
   assert list(frag.get_ydata()) == pytest.approx(
@@ -348,7 +400,7 @@ def test_block_size_figure_without_fragmentation_has_one_axis(rng):
   rows = [dict(block_size=b, hit_rate=float(rng.uniform())) for b in (8, 16)]
   fig = plots.block_size_figure(rows)
   assert len(fig.axes) == 1
-  assert _legend_texts(fig.axes[0]) == ["hit rate"]
+  assert _legend_texts(fig) == ["hit rate"]
 
 
 def test_the_old_call_still_works(tmp_path):
@@ -370,7 +422,7 @@ def test_the_old_call_still_works(tmp_path):
   assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   fig = plots.hit_rate_figure(rows, title="t", ceiling=0.5)
   assert fig.axes[0].get_title() == "t"
-  assert _legend_texts(fig.axes[0]) == [
+  assert _legend_texts(fig) == [
     "fifo",
     "lru_leaf",
     "belady_leaf",
@@ -439,8 +491,8 @@ def test_scheduler_markers_are_the_mean_and_bars_the_min_and_max(rng):
   fig = _drawn(plots.scheduler_figure(rows, series="rate"))
   left, right = fig.axes
   assert [t.get_text() for t in left.get_xticklabels()] == order
-  assert _legend_texts(right) == [f"rate = {r}" for r in sorted(rates)]
-  handles = right.get_legend().legend_handles
+  assert _legend_texts(fig) == [f"rate = {r}" for r in sorted(rates)]
+  handles = _legend(fig).legend_handles
   assert len({h.get_marker() for h in handles}) == len(rates)
   assert len({h.get_color() for h in handles}) == len(rates)
   for ax, key in ((left, "ttft_s_p99"), (right, "throughput_tokens_per_s")):
@@ -497,7 +549,7 @@ def test_schedulers_without_a_clock_are_drawn_in_steps(rng, clock):
   for ax, key in zip((left, right), keys, strict=True):
     (points,) = _points(ax)  # one series: no series key given
     assert [y for _, y, *_ in points] == pytest.approx([r[key] for r in rows])
-  assert right.get_legend() is None
+  assert not fig.legends and not any(a.get_legend() for a in fig.axes)
   assert ("scheduler steps" in _caption(fig)) == (clock != "all")
 
 
@@ -594,3 +646,186 @@ def test_plot_schedulers_writes_png_and_pdf(tmp_path, rng):
 def test_scheduler_figure_rejects_bad_rows(rows, series, match):
   with pytest.raises(ValueError, match=match):
     plots.scheduler_figure(rows, series=series)
+
+
+def _router_rows(routers):
+  return [
+    dict(
+      router=name,
+      route_mode=mode,
+      token_hit_rate=0.3 + 0.05 * i + (0.01 if mode == "exact" else 0.0),
+      imbalance=1.1 + 0.1 * i,
+    )
+    for i, name in enumerate(routers)
+    for mode in ("exact", "approximate")
+  ]
+
+
+def _block_size_rows(policies, sizes, cache_tokens):
+  return [
+    dict(
+      policy=p,
+      block_size=b,
+      capacity_blocks=cache_tokens // b,
+      hit_rate=0.5 - 0.05 * i - 0.01 * b**0.5,
+      fragmentation=b / 900,
+      mode="measured",
+    )
+    for i, p in enumerate(policies)
+    for b in sizes
+  ]
+
+
+def _figure(kind, figsize, rng):
+  """A figure of each kind, with a legend (the twin-axis kinds have their
+  twin: the top token axis, the right fragmentation axis)."""
+  policies = ["fifo", "lru_leaf", "belady_leaf"]
+  if kind == "hit_rate":
+    rows = _rows(rng, policies, _capacities(rng, 5, low=2.2), block_size=16)
+    return plots.hit_rate_figure(
+      rows,
+      ceiling=0.45,
+      trace="trace.jsonl",
+      semantics="kvcache-sim",
+      warmup_fraction=0.25,
+      figsize=figsize,
+    )
+  if kind == "hit_rate_zero":
+    rows = [
+      dict(r, hit_rate=0.0)
+      for r in _rows(rng, policies, _capacities(rng, 4), block_size=16)
+    ]
+    return plots.hit_rate_figure(
+      rows, ceiling=0.0, trace="azure.csv", figsize=figsize
+    )
+  if kind == "hit_rate_underfilled":
+    rows = [
+      dict(r, hit_rate=0.0, mode="underfilled")
+      for r in _rows(rng, policies, _capacities(rng, 2), block_size=16)
+    ]
+    return plots.hit_rate_figure(
+      rows,
+      ceiling=0.45,
+      trace="trace.jsonl",
+      semantics="kvcache-sim",
+      warmup_fraction=0.0,
+      figsize=figsize,
+    )
+  if kind == "block_size":
+    rows = _block_size_rows(policies, [4, 8, 16, 32, 64], 8192)
+    return plots.block_size_figure(
+      rows,
+      trace="trace.jsonl",
+      semantics="kvcache-sim",
+      warmup_fraction=0.25,
+      figsize=figsize,
+    )
+  if kind == "schedulers":
+    rows = _scheduler_rows(rng, ["fcfs", "lpm", "dfs", "fair"], [8, 32], 2)
+    return plots.scheduler_figure(
+      rows, series="rate", trace="t.jsonl", figsize=figsize
+    )
+  if kind == "schedulers_long_names":
+    names = [f"scheduler_with_a_long_name_{i}" for i in range(6)]
+    rows = _scheduler_rows(rng, names, [8, 32], 1)
+    return plots.scheduler_figure(rows, series="rate", figsize=figsize)
+  assert kind == "routers"
+  rows = _router_rows(["round_robin", "cache_aware", "e2", "llm_d"])
+  return plots.router_figure(rows, trace="t.jsonl", figsize=figsize)
+
+
+def _intersect(a, b, tolerance=0.5):
+  """Whether two window extents share more than a hairline."""
+  return (
+    min(a.x1, b.x1) - max(a.x0, b.x0) > tolerance
+    and min(a.y1, b.y1) - max(a.y0, b.y0) > tolerance
+  )
+
+
+def _decorations(fig):
+  """``(what, window extent)`` of everything the legend must not cover:
+  each axes' plot area, its x and y axis (tick labels and axis label, of
+  twin axes too), its title, the figure's title and caption."""
+  out = []
+  for i, ax in enumerate(fig.axes):
+    out.append((f"axes {i} plot area", ax.bbox))
+    for name, axis in (("x", ax.xaxis), ("y", ax.yaxis)):
+      box = axis.get_tightbbox()
+      if box is not None and box.width > 0 and box.height > 0:
+        out.append((f"axes {i} {name} axis ({axis.get_label_text()})", box))
+    if ax.title.get_text():
+      out.append((f"axes {i} title", ax.title.get_window_extent()))
+  for text in fig.texts:
+    out.append(
+      (f"figure text {text.get_text()[:30]!r}", text.get_window_extent())
+    )
+  if fig._suptitle is not None and fig._suptitle.get_text():
+    out.append(("suptitle", fig._suptitle.get_window_extent()))
+  return out
+
+
+KINDS = [
+  "hit_rate",
+  "hit_rate_zero",
+  "hit_rate_underfilled",
+  "block_size",
+  "schedulers",
+  "schedulers_long_names",
+  "routers",
+]
+
+
+@pytest.mark.parametrize("figsize", ["wide", "narrow"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_legend_covers_no_axis_label_tick_label_or_caption(
+  rng, kind, figsize
+):
+  size = {
+    "wide": plots.SCHEDULER_FIGSIZE if "schedulers" in kind else plots.FIGSIZE,
+    "narrow": (4.5, 3.6) if "schedulers" in kind else (3.5, 2.8),
+  }[figsize]
+  fig = _drawn(_figure(kind, size, rng))
+  legend = _legend(fig).get_window_extent()
+  for what, box in _decorations(fig):
+    assert not _intersect(legend, box), f"the legend covers the {what}"
+  # Nothing collapses the plot (a collapsed one is a few points high).
+  share = 0.3 if figsize == "wide" else 0.12
+  assert fig.axes[0].bbox.height > share * fig.bbox.height
+  # Nothing is cut off at the figure's edges.
+  for what, box in [("legend", legend), *_decorations(fig)]:
+    assert box.x0 >= -1 and box.y0 >= -1, what
+    assert box.x1 <= fig.bbox.x1 + 1 and box.y1 <= fig.bbox.y1 + 1, what
+
+
+@pytest.mark.parametrize("figsize", [plots.FIGSIZE, (3.5, 2.8)])
+def test_the_legend_clears_the_right_fragmentation_axis(figsize):
+  rows = _block_size_rows(["fifo", "lru_leaf"], [16, 32], 2048)
+  fig = _drawn(plots.block_size_figure(rows, figsize=figsize))
+  ax, right = fig.axes
+  legend = _legend(fig).get_window_extent()
+  labels = [t for t in right.yaxis.get_ticklabels() if t.get_text()]
+  assert len(labels) >= 3
+  for text in [*labels, right.yaxis.label]:
+    box = text.get_window_extent()
+    assert not _intersect(legend, box), text.get_text()
+  # On two lines where the axes is too short for one.
+  label = right.get_ylabel().replace("\n", " ")
+  assert label == "internal fragmentation (%)"
+
+
+def test_the_block_size_figure_names_its_cache_size(rng):
+  tokens = int(rng.choice([1024, 2048, 8192]))
+  rows = _block_size_rows(["fifo"], [4, 8, 16], tokens)
+  caption = _caption(plots.block_size_figure(rows))
+  blocks = f"({tokens // 16:,} to {tokens // 4:,} blocks)"
+  assert f"cache of {tokens:,} tokens at every block size {blocks}" in caption
+  # Rows without capacities: the caller says the size.
+  bare = [{k: v for k, v in r.items() if k != "capacity_blocks"} for r in rows]
+  assert "cache of" not in _caption(plots.block_size_figure(bare))
+  named = plots.block_size_figure(bare, cache_tokens=tokens)
+  assert f"cache of {tokens:,} tokens at every block size" in _caption(named)
+  # The same number of blocks at every size: the caption says blocks.
+  same = [dict(r, capacity_blocks=64) for r in bare]
+  assert "cache of 64 blocks at every block size" in _caption(
+    plots.block_size_figure(same)
+  )
