@@ -220,6 +220,57 @@ _BAD = [
     "replay",
     "one of capacity",
   ),
+  (
+    "[replay]\ncapacity = 8\npolicy = 'fifo'\n"
+    "policy_params = { decay = 0.9 }\n",
+    'replay.policy_params={"decay": 0.9}',
+    "policy fifo takes no parameter 'decay'",
+  ),
+  (
+    "[replay]\ncapacity = 8\npolicy_params = 0.9\n",
+    "replay.policy_params",
+    "must be a table of the policy factory's keyword parameters",
+  ),
+  (
+    "[replay]\ncapacity = 8\npolicy_params = [{}, { decay = [1] }]\n",
+    "replay.policy_params[1].decay",
+    "must be a number, string or boolean",
+  ),
+  (
+    "[replay]\ncapacity = 8\npolicy_params = [{}, {}]\n",
+    "replay.policy_params",
+    "lists a value twice",
+  ),
+  (
+    "[[points]]\nmode = 'replay'\ncapacity = 8\npolicy_params = { k = 1 }\n",
+    'points[0]: replay.policy_params={"k": 1}',
+    "policy lru_leaf takes no parameter 'k'",
+  ),
+  (
+    "[workloads.w]\nseed = [0, 'x']\n[replay]\ncapacity = 8\n",
+    "workloads.w.seed[1]",
+    "must be an integer",
+  ),
+  (
+    "[workloads.w]\nseed = [3, -1]\n[replay]\ncapacity = 8\n",
+    "workloads.w.seed[1]",
+    "must be >= 0",
+  ),
+  (
+    "[workloads.w]\nseed = []\n[replay]\ncapacity = 8\n",
+    "workloads.w.seed",
+    "an empty list",
+  ),
+  (
+    "[workloads.w]\nseed = [2, 5, 2]\n[replay]\ncapacity = 8\n",
+    "workloads.w.seed",
+    "lists a seed twice",
+  ),
+  (
+    "[workloads.t]\ntrace = 't.jsonl'\nseed = [1, 2]\n[replay]\ncapacity = 8\n",
+    "workloads.t.seed",
+    "unknown field",
+  ),
 ]
 
 
@@ -394,6 +445,239 @@ def test_a_changed_spec_is_refused_and_the_same_one_reused(rng, tmp_path):
   assert sorted(p.name for p in (out / "points").iterdir()) == sorted(
     f"{r['key']}.json" for r in first.rows
   )
+
+
+def test_a_spec_without_the_new_fields_keeps_its_keys():
+  """The point keys (and so the fingerprint a results folder is checked
+  against) of a spec using neither ``policy_params`` nor a list of seeds,
+  as computed before those fields existed: such a spec still resumes in
+  the folder an earlier version wrote. A field added later must stay out of
+  the key at its default (``spec._ADDED``)."""
+  spec = parse_spec(
+    {
+      "workloads": {
+        "w": {"generator": "system_prompt", "requests": 5, "seed": 3}
+      },
+      "replay": {"policy": ["fifo", "lru_leaf"], "capacity": 8},
+      "simulate": {"num_blocks": 300, "max_model_len": 1024},
+    }
+  )
+  assert [p.key for p in spec.points] == [
+    "e3a708337595b9ef",
+    "5ed4436450ae12c9",
+    "9f396ec15cf94038",
+  ]
+  explicit = parse_spec(
+    {
+      "workloads": {
+        "w": {"generator": "system_prompt", "requests": 5, "seed": [3]}
+      },
+      "replay": {
+        "policy": ["fifo", "lru_leaf"],
+        "capacity": 8,
+        "policy_params": {},
+      },
+      "simulate": {"num_blocks": 300, "max_model_len": 1024},
+    }
+  )
+  assert explicit.fingerprint() == spec.fingerprint()
+
+
+def test_policy_params_build_the_policy_the_replay_runs(tmp_path):
+  """A factory with a keyword (``fifo`` registered again, taking
+  ``window``; 0 is plain fifo): its parameters are checked by building the
+  policy, carried into every row, and each value is its own group."""
+  from prefixjax.cache import policies
+  from prefixjax.sweep.runner import groups
+
+  def fifo_with_window(*, window: int = 0):
+    if window < 0:
+      raise ValueError(f"{window=} must be >= 0")
+    return policies.fifo() if window == 0 else policies.lfu(decay=0.5)
+
+  def spec(params):
+    return parse_spec(
+      {
+        "workloads": {"w": {"generator": "system_prompt", "requests": 30}},
+        "replay": {
+          "policy": "fifo",
+          "policy_params": params,
+          "capacity": [128, 512],
+          "warmup_fraction": 0.5,
+        },
+      },
+      source=str(tmp_path / "spec.toml"),
+    )
+
+  policies.register_policy("fifo", fifo_with_window, overwrite=True)
+  try:
+    for params, rule in (
+      ({"window": 2}, "engines run fifo with its default parameters only"),
+      ({"window": -1}, "policy fifo: window=-1 must be >= 0"),
+      ({"size": 1}, "policy fifo takes no parameter 'size'"),
+    ):
+      with pytest.raises(SpecError) as err:
+        spec(params)
+      message = str(err.value)
+      assert message.startswith(f"{tmp_path / 'spec.toml'}: replay.")
+      assert "policy_params=" in message and rule in message, message
+    both = spec([{}, {"window": 0}])
+    assert len(groups(both)) == 2
+    result = run_sweep(both, tmp_path / "out", plots=False)
+  finally:
+    policies.register_policy("fifo", policies.fifo, overwrite=True)
+  assert [(r["policy_params"], r["capacity"]) for r in result.rows] == [
+    ("{}", 128),
+    ("{}", 512),
+    ('{"window": 0}', 128),
+    ('{"window": 0}', 512),
+  ]
+  # window=0 builds the very fifo policy: the same hits.
+  hits = [r["hit_tokens"] for r in result.rows]
+  assert hits[:2] == hits[2:] and hits[1] > 0
+  text = (tmp_path / "out" / "results.csv").read_text()
+  table = list(csv.DictReader(text.splitlines()))
+  assert [json.loads(r["policy_params"]) for r in table] == [
+    {},
+    {},
+    {"window": 0},
+    {"window": 0},
+  ]
+
+
+def test_a_list_of_seeds_is_a_point_per_seed(rng, tmp_path):
+  seeds = [int(x) for x in rng.choice(1000, 2, replace=False)]
+  text = f"""
+[workloads.w]
+generator = "system_prompt"
+requests = 30
+seed = {seeds}
+params = {{ num_prompts = 3, prompt_len = [64, 256] }}
+
+[workloads.v]
+generator = "system_prompt"
+requests = 20
+seed = 7
+
+[replay]
+capacity = [8, 32]
+warmup_fraction = 0.5
+
+[simulate]
+workload = "w"
+block_size = 8
+num_blocks = 200
+max_num_seqs = 4
+max_num_batched_tokens = 256
+max_model_len = 1024
+seed = 5
+"""
+  path = _write(tmp_path, text)
+  spec = load_spec(path)
+  assert spec.workloads["w"].seeds == tuple(seeds)
+  assert spec.workloads["w"].seed == seeds[0]
+  # The seeds sit where the workload does in the grid: outermost here.
+  assert [
+    (p.mode, p.workload.name, p.workload.seed, dict(p.params).get("capacity"))
+    for p in spec.points
+  ] == [
+    *(("replay", "w", s, c) for s in seeds for c in (8, 32)),
+    ("replay", "v", 7, 8),
+    ("replay", "v", 7, 32),
+    *(("simulate", "w", s, None) for s in seeds),
+  ]
+  out = tmp_path / "out"
+  result = run_sweep(spec, out)
+  assert [r["workload_seed"] for r in result.rows] == [
+    seeds[0],
+    seeds[0],
+    seeds[1],
+    seeds[1],
+    7,
+    7,
+    seeds[0],
+    seeds[1],
+  ]
+  traces = {
+    s: workloads.generate_workload(
+      "system_prompt",
+      num_requests=30,
+      seed=s,
+      num_prompts=3,
+      prompt_len=[64, 256],
+    )
+    for s in seeds
+  }
+  for row in result.rows[:4]:
+    (alone,) = rp.replay(
+      traces[row["workload_seed"]],
+      policy="lru_leaf",
+      capacities=[row["capacity"]],
+      warmup_fraction=0.5,
+    )
+    assert row["hit_tokens"] == alone.hit_tokens
+  for row in result.rows[6:]:
+    # ``seed`` is the simulate field (arrivals), apart from the workload's.
+    assert row["seed"] == 5
+    config = ServingConfig(
+      num_gpu_blocks=201,
+      block_size=8,
+      max_num_seqs=4,
+      max_num_batched_tokens=256,
+      max_model_len=1024,
+    )
+    alone = simulate(traces[row["workload_seed"]], config).metrics()
+    assert row["hit_tokens"] == alone["hit_tokens"]
+  assert result.rows[0]["hit_tokens"] != result.rows[2]["hit_tokens"]
+  text_rows = list(csv.DictReader((out / "results.csv").read_text().split()))
+  assert [int(r["workload_seed"]) for r in text_rows] == [
+    r["workload_seed"] for r in result.rows
+  ]
+  # One hit-rate figure per seed of w; v has one seed, no suffix.
+  assert sorted(p.name for p in (out / "plots").glob("*.png")) == sorted(
+    [f"hit_rate_w_seed{s}_kvcache-sim_k16.png" for s in seeds]
+    + ["hit_rate_v_kvcache-sim_k16.png"]
+  )
+  again = run_sweep(path, out, plots=False)
+  assert again.reused == len(result.rows) and again.rows == result.rows
+  path.write_text(text.replace(f"seed = {seeds}", f"seed = {seeds[:1]}"))
+  with pytest.raises(SweepError, match="different spec"):
+    run_sweep(path, out, plots=False)
+
+
+def test_the_block_size_figure_is_told_its_cache_size(tmp_path, monkeypatch):
+  from prefixjax import plots
+  from prefixjax.sweep.figures import sweep_plots
+
+  calls = []
+  monkeypatch.setattr(
+    plots,
+    "plot_hit_rate_vs_block_size",
+    lambda rows, path, **kw: calls.append((path.name, kw)) or [],
+  )
+  rows = [
+    dict(
+      mode="replay",
+      workload="w",
+      workload_seed=0,
+      semantics="vllm",
+      policy="lru",
+      policy_params="{}",
+      block_size=k,
+      capacity=tokens // k,
+      warmup_fraction=0.5,
+      hit_rate=0.1,
+      internal_fragmentation=0.01,
+      underfilled=False,
+    )
+    for tokens in (1024, 4096)
+    for k in (16, 32)
+  ]
+  sweep_plots(rows, tmp_path)
+  assert [(name, kw["cache_tokens"]) for name, kw in calls] == [
+    ("block_size_w_vllm_1024tokens.png", 1024),
+    ("block_size_w_vllm_4096tokens.png", 4096),
+  ]
 
 
 def test_an_absent_trace_skips_its_points_with_the_reason(tmp_path):

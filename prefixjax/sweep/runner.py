@@ -22,10 +22,11 @@ killed at any moment (SIGKILL included) leaves only whole point files; a
 rerun with the same spec skips them and ends with the rows of a clean run.
 ``DIR/spec.json`` records the expanded spec; a different spec in the same
 ``DIR`` is refused. At the end ``DIR/results.csv`` and
-``DIR/results.json`` (one row per point, in spec order, every field and
-every metric), ``DIR/timing.json`` (compile and run seconds per group: the
-only numbers that differ between runs) and the plots are written, each
-atomically.
+``DIR/results.json`` (one row per point, in spec order: :data:`ROW_HEAD`,
+``workload_seed`` being the generator's seed or None for a trace, then every
+field and every metric), ``DIR/timing.json`` (compile and run seconds per
+group: the only numbers that differ between runs) and the plots are
+written, each atomically.
 """
 
 from __future__ import annotations
@@ -44,7 +45,13 @@ from typing import Any
 
 import numpy as np
 
-from prefixjax.sweep.spec import Point, SweepSpec, load_spec, serving_config
+from prefixjax.sweep.spec import (
+  Point,
+  SweepSpec,
+  load_spec,
+  policy_of,
+  serving_config,
+)
 
 __all__ = [
   "SweepError",
@@ -52,7 +59,7 @@ __all__ = [
   "run_sweep",
 ]
 
-ROW_HEAD = ("index", "key", "mode", "workload")
+ROW_HEAD = ("index", "key", "mode", "workload", "workload_seed")
 
 
 class SweepError(ValueError):
@@ -150,7 +157,7 @@ def _replay_group(trace, points: Sequence[Point], devices=None):
   from prefixjax import replay as rp
 
   p0 = points[0]
-  semantics, policy = p0.get("semantics"), p0.get("policy")
+  semantics, policy = p0.get("semantics"), policy_of(dict(p0.params))
   block_size, warmup = p0.get("block_size"), p0.get("warmup_fraction")
   result = rp.replay(
     trace,
@@ -242,7 +249,13 @@ def _simulate_group(trace, points: Sequence[Point], vectorize, devices):
   return rows, None, run_s
 
 
-_REPLAY_SHARED = ("semantics", "policy", "block_size", "warmup_fraction")
+_REPLAY_SHARED = (
+  "semantics",
+  "policy",
+  "policy_params",
+  "block_size",
+  "warmup_fraction",
+)
 _SIM_SHARED = (
   "semantics",
   "num_blocks",
@@ -265,9 +278,26 @@ def groups(spec: SweepSpec) -> list[list[Point]]:
   out: dict[tuple, list[Point]] = {}
   for p in spec.points:
     shared = _REPLAY_SHARED if p.mode == "replay" else _SIM_SHARED
-    key = (p.mode, p.workload.name, *(p.get(k) for k in shared))
+    key = (p.mode, *_workload_key(p), *(p.get(k) for k in shared))
     out.setdefault(key, []).append(p)
   return list(out.values())
+
+
+def _workload_key(p: Point) -> tuple[str, int]:
+  """Which trace a point runs on: its workload and seed."""
+  return p.workload.name, p.workload.seed
+
+
+def _row_head(p: Point) -> dict[str, Any]:
+  """A row's fields before its metrics: the point's id and parameters."""
+  return {
+    "index": p.index,
+    "key": p.key,
+    "mode": p.mode,
+    "workload": p.workload.name,
+    "workload_seed": p.workload.seed if p.workload.generator else None,
+    **dict(p.params),
+  }
 
 
 def _check_out(out: pathlib.Path, spec: SweepSpec) -> None:
@@ -402,10 +432,11 @@ def run_sweep(
     if why:
       missing[name] = why
       say(f"workload {name}: {why}; its points are skipped")
-    elif any(
-      p.workload.name == name and p.key not in done for p in spec.points
-    ):
-      traces[name] = w.load()
+      continue
+    for p in spec.points:  # a generated workload: one trace per seed
+      if p.workload.name == name and p.key not in done:
+        if _workload_key(p) not in traces:
+          traces[_workload_key(p)] = p.workload.load()
   if out is not None:
     out.mkdir(parents=True, exist_ok=True)
     folder.mkdir(exist_ok=True)
@@ -446,7 +477,7 @@ def run_sweep(
       pieces.append(g)
   try:
     for g in pieces:
-      trace = traces[g[0].workload.name]
+      trace = traces[_workload_key(g[0])]
       if g[0].mode == "replay":
         rows, compile_s, run_s = _replay_group(
           trace, g, None if serial else devices
@@ -464,14 +495,7 @@ def run_sweep(
         }
       )
       for p, metrics in zip(g, rows, strict=True):
-        row = {
-          "index": p.index,
-          "key": p.key,
-          "mode": p.mode,
-          "workload": p.workload.name,
-          **dict(p.params),
-          **metrics,
-        }
+        row = {**_row_head(p), **metrics}
         row = {k: _plain(v) for k, v in row.items()}
         done[p.key] = row
         if folder is not None:
@@ -485,7 +509,7 @@ def run_sweep(
     needed = {p.key for p in spec.points if p.workload.name not in missing}
     if index != 0:
       mine = {p.key for g in pieces for p in g}
-      rows = tuple(done[p.key] for p in spec.points if p.key in mine)
+      rows = tuple(_row(p, done) for p in spec.points if p.key in mine)
       return SweepResult(spec=spec, rows=rows, out=out, timing=tuple(timing))
     waited = False
     while not needed <= done.keys():
@@ -497,7 +521,7 @@ def run_sweep(
         waited = True
       time.sleep(poll_s)
       done.update(_load_done(folder, spec, known=done.keys()))
-  rows = tuple(done[p.key] for p in spec.points if p.key in done)
+  rows = tuple(_row(p, done) for p in spec.points if p.key in done)
   skipped = tuple(
     (p.index, missing[p.workload.name])
     for p in spec.points
@@ -528,11 +552,20 @@ def run_sweep(
   )
 
 
+def _row(p: Point, done: dict[str, dict]) -> dict[str, Any]:
+  """The row of a finished point. A point file written before a field was
+  added lacks it: the head comes from the point (same values, same order as
+  a fresh row's), the metrics from the file."""
+  return {k: _plain(v) for k, v in {**_row_head(p), **done[p.key]}.items()}
+
+
 _TABLE = {
   "replay": (
     ("workload", "workload", "{}"),
+    ("workload_seed", "w.seed", "{}"),
     ("semantics", "semantics", "{}"),
     ("policy", "policy", "{}"),
+    ("policy_params", "params", "{}"),
     ("block_size", "K", "{}"),
     ("capacity", "capacity", "{:,}"),
     ("hit_rate", "hit rate", "{:.1%}"),
@@ -540,6 +573,7 @@ _TABLE = {
   ),
   "simulate": (
     ("workload", "workload", "{}"),
+    ("workload_seed", "w.seed", "{}"),
     ("semantics", "semantics", "{}"),
     ("scheduler", "scheduler", "{}"),
     ("router", "router", "{}"),

@@ -11,7 +11,7 @@ TOML because it is readable, diffable and read by the standard library
   [workloads.mixed]                # one table per workload; rows name it
   generator = "default"            # a prefixjax.workloads kind ...
   requests = 300
-  seed = 0
+  seed = [0, 1, 2]                 # one seed, or a list: a point per seed
   params = { num_prompts = 8 }     # ... and its parameters
 
   [workloads.mooncake]
@@ -22,6 +22,8 @@ TOML because it is readable, diffable and read by the standard library
   [replay]                         # a grid: every field a value or a list
   semantics = "kvcache-sim"        # capacity in blocks, or capacity_tokens
   policy = ["fifo", "lru_leaf", "belady_leaf"]
+  policy_params = {}               # the policy factory's keywords (a table,
+                                   # or a list of tables: a grid)
   block_size = 16
   capacity = [64, 128, 256]
 
@@ -51,8 +53,22 @@ lists several values of. In a replay grid, a policy the semantics does not
 serve (vLLM's is ``lru``, SGLang's ``lru_leaf``) is left out of that
 semantics' points, and the spec says how many were left out; a listed policy
 no listed semantics serves is an error. Likewise in a simulate grid a
-scheduler SGLang's semantics does not model (it serves ``fcfs`` and
-``lpm``) is left out of its points.
+scheduler SGLang's semantics does not model (it serves
+:data:`prefixjax.serving.SGLANG_POLICIES`: ``fcfs``, ``lpm``, ``dfs``,
+``fair`` and ``priority``; a user-registered scheduler orders vLLM's loop
+only) is left out of its points.
+
+A generated workload's ``seed`` may be a list: each point of that workload
+is then expanded into one point per seed, at the workload's place in the
+grid's order, and the rows carry the seed as ``workload_seed`` (``seed``
+is the simulate field that draws the arrival times). ``policy_params`` is
+a table of keyword arguments of the policy's factory
+(:func:`prefixjax.cache.policies.get_policy`: ``lfu`` takes ``decay``), a
+list of tables being a grid; each must build the policy, and the replay
+engines run the policy objects they serve only (today ``fifo``,
+``lru_leaf``, ``belady_leaf`` and ``lru``, none of which takes a
+parameter), so any other value is an error naming the rule. The rows carry
+it as a JSON text column (``"{}"`` by default).
 
 Every error names the file, the field (``simulate.rate[1]``, ``points[2]
 .scheduler``) and the rule broken, before any work.
@@ -143,6 +159,21 @@ def _choice(choices: Callable[[], Sequence[str]]):
   return check
 
 
+def _policy_params(where, v):
+  """A table of keyword arguments, as canonical JSON text (hashable, one
+  cell of a results row)."""
+  if not isinstance(v, Mapping):
+    _fail(
+      where,
+      "must be a table of the policy factory's keyword parameters, e.g. "
+      f"{{ decay = 0.9 }}, got {v!r}",
+    )
+  for k, x in v.items():
+    if not isinstance(x, (bool, int, float, str)):
+      _fail(f"{where}.{k}", f"must be a number, string or boolean, got {x!r}")
+  return json.dumps(dict(v), sort_keys=True)
+
+
 def _optional(check):
   def wrapped(where, v):
     return None if v is None else check(where, v)
@@ -200,6 +231,11 @@ REPLAY_FIELDS: dict[str, _Field] = {
     None,
     help="default: the semantics' policy (kvcache-sim: lru_leaf)",
   ),
+  "policy_params": _Field(
+    _policy_params,
+    "{}",
+    help="keyword parameters of the policy's factory (a table)",
+  ),
   "block_size": _Field(_int(1), 16),
   "capacity": _Field(_optional(_int(1)), None, help="cache blocks"),
   "capacity_tokens": _Field(
@@ -217,7 +253,7 @@ SIMULATE_FIELDS: dict[str, _Field] = {
     _choice(lambda: ("vllm", "sglang")),
     "vllm",
     help="vllm: vLLM 0.33's scheduler loop; sglang: SGLang 0.5.23's "
-    "(schedulers fcfs, lpm, dfs, fair)",
+    "(schedulers fcfs, lpm, dfs, fair, priority)",
   ),
   "scheduler": _Field(_choice(_schedulers), "fcfs"),
   "block_size": _Field(_int(1), 16),
@@ -274,9 +310,12 @@ class WorkloadSpec:
   Attributes:
     name: its key under ``[workloads]``.
     generator: a :func:`prefixjax.workloads.workload_kinds` kind, or None.
-    requests, seed, params: the generator's arguments.
+    requests, seed, params: the generator's arguments (``seed``: the
+      first of ``seeds``).
     trace: the trace file (resolved against the spec's folder), or None.
     format, limit: :func:`prefixjax.workloads.load_trace`'s.
+    seeds: every seed the spec lists for a generator, one point each
+      (a point's own workload has its one seed); ``()`` for a trace.
   """
 
   name: str
@@ -287,13 +326,24 @@ class WorkloadSpec:
   trace: str | None = None
   format: str = "auto"
   limit: int | None = None
+  seeds: tuple[int, ...] = ()
 
   def identity(self) -> dict[str, Any]:
-    """What a result depends on (the name only labels it)."""
+    """What a result depends on (the name only labels it; ``seeds`` lists
+    the seeds of other points: a point's is ``seed``)."""
     d = dataclasses.asdict(self)
     d.pop("name")
+    d.pop("seeds")
     d["params"] = dict(self.params)
     return d
+
+  def each_seed(self) -> tuple[WorkloadSpec, ...]:
+    """One workload per listed seed (itself for a trace)."""
+    if not self.seeds:
+      return (self,)
+    return tuple(
+      dataclasses.replace(self, seed=s, seeds=(s,)) for s in self.seeds
+    )
 
   def missing(self) -> str | None:
     """Why the workload cannot be read (an absent trace file), or None."""
@@ -337,15 +387,22 @@ class Point:
   @property
   def key(self) -> str:
     """A stable id of what the point computes (not of its index)."""
+    params = {k: v for k, v in self.params if k not in _ADDED or v != _ADDED[k]}
     blob = json.dumps(
       {
         "mode": self.mode,
         "workload": self.workload.identity(),
-        "params": dict(self.params),
+        "params": params,
       },
       sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# Fields added after sweeps had written results, with their defaults: left
+# out of a point's key at the default, so a spec that does not use them keeps
+# the keys (and the fingerprint) it had, and its results folder resumes.
+_ADDED = {"policy_params": "{}"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,13 +445,17 @@ class SweepSpec:
       "spec": self.path,
       "full": self.full,
       "fingerprint": self.fingerprint(),
-      "workloads": {n: w.identity() for n, w in sorted(self.workloads.items())},
+      "workloads": {
+        n: {**w.identity(), **({"seeds": list(w.seeds)} if w.seeds else {})}
+        for n, w in sorted(self.workloads.items())
+      },
       "points": [
         {
           "index": p.index,
           "key": p.key,
           "mode": p.mode,
           "workload": p.workload.name,
+          "workload_seed": p.workload.seed if p.workload.generator else None,
           **dict(p.params),
         }
         for p in self.points
@@ -613,7 +674,8 @@ def _workloads(table, label, base) -> dict[str, WorkloadSpec]:
       f"{where}.generator", w.get("generator", "default")
     )
     requests = _int(1)(f"{where}.requests", w.get("requests", 300))
-    seed = _int(0)(f"{where}.seed", w.get("seed", 0))
+    seeds = _seeds(f"{where}.seed", w.get("seed", 0))
+    seed = seeds[0]
     params = w.get("params", {})
     if not isinstance(params, Mapping):
       raise SpecError(f"{where}.params: must be a table")
@@ -623,6 +685,7 @@ def _workloads(table, label, base) -> dict[str, WorkloadSpec]:
       requests=requests,
       seed=seed,
       params=tuple(sorted(params.items())),
+      seeds=seeds,
     )
     try:  # the generator validates its parameters; a tiny draw checks them
       from prefixjax import workloads as wl
@@ -632,6 +695,18 @@ def _workloads(table, label, base) -> dict[str, WorkloadSpec]:
       raise SpecError(f"{where}.params: {err}") from None
     out[name] = spec
   return out
+
+
+def _seeds(where, v) -> tuple[int, ...]:
+  """A generator's ``seed``: one integer, or a list of distinct ones."""
+  if not isinstance(v, list):
+    return (_int(0)(where, v),)
+  if not v:
+    _fail(where, "an empty list (give one seed or several)")
+  seeds = tuple(_int(0)(f"{where}[{i}]", s) for i, s in enumerate(v))
+  if len(set(seeds)) != len(seeds):
+    _fail(where, f"lists a seed twice: {list(seeds)}")
+  return seeds
 
 
 def _check(fields, k, v, where, workloads):
@@ -679,6 +754,12 @@ def _grid(section, mode, label, workloads) -> dict[str, list]:
 
 
 def _expand(grid, mode, where, workloads, left_out, *, strict=False):
+  # A workload of several seeds is several values of the workload field,
+  # in its place in the grid's order.
+  grid = {
+    **grid,
+    "workload": [w for n in grid["workload"] for w in workloads[n].each_seed()],
+  }
   names = list(grid)
   out = []
   served_any: set[str] = set()
@@ -704,6 +785,7 @@ def _expand(grid, mode, where, workloads, left_out, *, strict=False):
         left_out[(sem, policy)] = left_out.get((sem, policy), 0) + 1
         continue
       served_any.add(policy)
+      _check_policy_params(params, where)
       tokens = params["capacity_tokens"]
       if (params["capacity"] is None) == (tokens is None):
         raise SpecError(
@@ -729,7 +811,7 @@ def _expand(grid, mode, where, workloads, left_out, *, strict=False):
         left_out[(sem, sched)] = left_out.get((sem, sched), 0) + 1
         continue
       _check_simulate(params, where)
-    w = workloads[params.pop("workload")]
+    w = params.pop("workload")
     out.append((mode, w, params))
   if mode == "replay" and not strict:
     for policy in grid["policy"]:
@@ -738,6 +820,41 @@ def _expand(grid, mode, where, workloads, left_out, *, strict=False):
           f"{where}: replay.policy: no listed semantics serves {policy}"
         )
   return out
+
+
+def policy_of(params: Mapping[str, Any]):
+  """A replay point's policy: its name, or the
+  :class:`prefixjax.cache.policies.EvictionPolicy` its ``policy_params``
+  build."""
+  keywords = json.loads(params.get("policy_params", "{}"))
+  if not keywords:
+    return params["policy"]
+  from prefixjax.cache import policies
+
+  return policies.get_policy(params["policy"], **keywords)
+
+
+def _check_policy_params(params, where):
+  """``policy_params`` build the policy, one the replay engines run."""
+  from prefixjax.cache import policies
+
+  policy, text = params["policy"], params["policy_params"]
+  keywords = json.loads(text)
+  field = f"{where}: replay.policy_params={text}"
+  try:
+    built = policies.get_policy(policy, **keywords)
+  except TypeError as err:
+    raise SpecError(
+      f"{field}: policy {policy} takes no parameter "
+      f"{', '.join(map(repr, keywords))} ({err})"
+    ) from None
+  except ValueError as err:
+    raise SpecError(f"{field}: policy {policy}: {err}") from None
+  if keywords and built is not policies.get_policy(policy):
+    raise SpecError(
+      f"{field}: the {params['semantics']} replay engines run {policy} "
+      "with its default parameters only"
+    )
 
 
 def serving_config(params: Mapping[str, Any]):
