@@ -545,7 +545,7 @@ def test_policy_params_build_the_policy_the_replay_runs(tmp_path):
   ]
 
 
-def test_a_list_of_seeds_is_a_point_per_seed(rng, tmp_path):
+def test_a_list_of_seeds_is_a_point_per_seed(rng, tmp_path, capsys):
   seeds = [int(x) for x in rng.choice(1000, 2, replace=False)]
   text = f"""
 [workloads.w]
@@ -638,6 +638,16 @@ seed = 5
     [f"hit_rate_w_seed{s}_kvcache-sim_k16.png" for s in seeds]
     + ["hit_rate_v_kvcache-sim_k16.png"]
   )
+  # --list tells the points of one workload apart by their seed.
+  from prefixjax.cli import main
+
+  assert main(["sweep", str(path), "--list"]) == 0
+  listed = [
+    line.split("workload_seed=")[1].split(",")[0]
+    for line in capsys.readouterr().out.splitlines()
+    if line.startswith("  [")
+  ]
+  assert listed == [str(p.workload.seed) for p in spec.points]
   again = run_sweep(path, out, plots=False)
   assert again.reused == len(result.rows) and again.rows == result.rows
   path.write_text(text.replace(f"seed = {seeds}", f"seed = {seeds[:1]}"))

@@ -113,6 +113,8 @@ def run(args) -> int:
       print(f"group of {len(g)}: {p0.mode} on {p0.workload.name}")
       for p in g:
         fields = ", ".join(f"{k}={v}" for k, v in p.params)
+        if p.workload.generator:  # points may differ by seed alone
+          fields = f"workload_seed={p.workload.seed}, {fields}"
         print(f"  [{p.index}] {fields}")
     return 0
   out = pathlib.Path(args.out or pathlib.Path("results") / spec.name)
