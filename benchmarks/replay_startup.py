@@ -14,6 +14,12 @@ timed from outside, several times (best and median reported):
 * ``import jax``: a process that imports jax and runs one tiny op (the
   floor every JAX program pays).
 
+Then the bucketed shapes (issue 13, section 4): ``--limit 300`` and then
+``--limit 310`` of the trace (capacities 100 and 200) in new processes
+sharing one fresh cache folder. The engines pad trace-sized arrays to
+powers of two, so the second finds every program in the cache; each
+run's own load / compile / run split is printed.
+
 Usage: ``python benchmarks/replay_startup.py [--runs 5] [--json OUT]``.
 Needs ``../shared/traces/mooncake_conversation_trace.jsonl`` and (for the
 first row) ``pip install kvcache-simulator==0.1.3``.
@@ -59,7 +65,9 @@ def _time(argv, runs: int) -> list[float]:
   return times
 
 
-def _prefixjax(cache: pathlib.Path) -> list[str]:
+def _prefixjax(
+  cache: pathlib.Path, *extra: str, capacities=CAPACITIES
+) -> list[str]:
   return [
     sys.executable,
     "-m",
@@ -68,10 +76,33 @@ def _prefixjax(cache: pathlib.Path) -> list[str]:
     "--trace",
     str(TRACE),
     "--capacity",
-    *CAPACITIES,
+    *capacities,
+    *extra,
     "--compile-cache",
     str(cache),
   ]
+
+
+def _split(stdout: str) -> str:
+  """The ``load ... compile ... run`` line a replay prints last."""
+  lines = [line for line in stdout.splitlines() if line.startswith("load ")]
+  return lines[0] if lines else "?"
+
+
+def _buckets(runs: int) -> dict[str, list]:
+  """``--limit 300`` then ``--limit 310`` in new processes sharing a fresh
+  cache folder, ``runs`` times: wall seconds and each run's own split."""
+  out: dict[str, list] = {"limit 300": [], "limit 310": [], "splits": []}
+  for _ in range(runs):
+    with tempfile.TemporaryDirectory() as tmp:
+      cache = pathlib.Path(tmp) / "cache"
+      for limit in ("300", "310"):
+        argv = _prefixjax(cache, "--limit", limit, capacities=("100", "200"))
+        start = time.perf_counter()
+        done = subprocess.run(argv, check=True, capture_output=True, text=True)
+        out[f"limit {limit}"].append(time.perf_counter() - start)
+        out["splits"].append(f"--limit {limit}: {_split(done.stdout)}")
+  return out
 
 
 def main(argv=None) -> int:
@@ -107,16 +138,23 @@ def main(argv=None) -> int:
     out = subprocess.run(
       _prefixjax(cache), check=True, capture_output=True, text=True
     ).stdout
-  split = [line for line in out.splitlines() if line.startswith("load ")]
+  buckets = _buckets(args.runs)
   print(f"{'variant':>16} {'best':>7} {'median':>7}  (s, {args.runs} runs)")
   for name, times in rows.items():
     print(f"{name:>16} {min(times):7.2f} {statistics.median(times):7.2f}")
   if "kvcache-sim C++" in rows:
     ratio = min(rows["prefixjax warm"]) / min(rows["kvcache-sim C++"])
     print(f"prefixjax warm / kvcache-sim C++: {ratio:.2f}x (target <= 1.5x)")
-  print(f"warm run's own split: {split[0] if split else '?'}")
+  print(f"warm run's own split: {_split(out)}")
+  print("a new trace length in the same bucket (fresh cache each round):")
+  for name in ("limit 300", "limit 310"):
+    times = buckets[name]
+    print(f"{name:>16} {min(times):7.2f} {statistics.median(times):7.2f}")
+  for line in buckets["splits"]:
+    print(f"  {line}")
   if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(rows, indent=2))
+    report = {**rows, "buckets": buckets}
+    pathlib.Path(args.json).write_text(json.dumps(report, indent=2))
   return 0
 
 

@@ -301,7 +301,11 @@ def replay(
     chosen = get_engine(name)
     caps = [capacities[i] for i in lanes]
     prepared = chosen.prepare(
-      plan, caps, policy=policy, **_options_for(name, width, keys_per_step)
+      plan,
+      caps,
+      policy=policy,
+      bucketed=True,
+      **_options_for(name, width, keys_per_step),
     )
     part = execute(chosen, prepared, caps)
     timing = timing + part.timing

@@ -19,6 +19,21 @@ so a second call with the same shapes does not compile again), runs it
 and returns the points with a :class:`Timing`. A sweep runner can group
 points by ``(engine, Prepared.shape_key)`` and choose how to spread them
 from :attr:`ReplayEngine.batching` without knowing any engine.
+
+Bucketed shapes: every engine's ``prepare`` takes ``bucketed``. With
+``bucketed=True`` (what :func:`prefixjax.replay.replay` and the serving
+semantics' entry points pass) it pads its trace-sized arrays (events,
+nodes, scan steps, keys, requests, table columns) and the static sizes
+derived from them to a power of two (:func:`padded`), so two traces whose
+sizes fall in one bucket share one compiled program, in this process and
+in JAX's persistent compilation cache. The padding is never read: an
+engine's scans run through :func:`scan_prefix`, whose trip count is the
+real number of steps (a run-time scalar), and the padded rows of the
+other arrays are indices no real step reaches (past every real node,
+event or key); padded steps hold no-op values all the same (no block, no
+warm-up). ``points`` cuts the outputs back to the real lengths. The
+default, ``False``, keeps the trace's own sizes, so a caller of ``run``
+reads outputs of the real lengths.
 """
 
 from __future__ import annotations
@@ -50,7 +65,10 @@ __all__ = [
   "check_warmup_fraction",
   "compile_and_run",
   "execute",
+  "pad_rows",
+  "padded",
   "points_of_requests",
+  "scan_prefix",
   "warmup_requests",
 ]
 
@@ -211,6 +229,68 @@ def bucket(n: int) -> int:
   return 1 << max(int(n) - 1, 0).bit_length()
 
 
+def padded(n: int, bucketed: bool = True) -> int:
+  """The size a trace-sized dimension of ``n`` is compiled for:
+  :func:`bucket` (``bucketed``) or ``n`` itself (the unpadded path the
+  tests compare with). A bucket past int32 falls back to ``n``: sizes
+  name int32 indices."""
+  n = int(n)
+  size = bucket(n) if bucketed else n
+  return size if size < 2**31 - 1 else n
+
+
+def pad_rows(x, rows: int, fill) -> np.ndarray:
+  """``x`` (host) with its leading axis extended to ``rows`` by ``fill``."""
+  x = np.asarray(x)
+  pad = rows - x.shape[0]
+  if pad < 0:
+    raise ValueError(f"{rows=} is below the {x.shape[0]} rows of the array")
+  if not pad:
+    return x
+  tail = np.full((pad, *x.shape[1:]), fill, x.dtype)
+  return np.concatenate([x, tail])
+
+
+def scan_prefix(step, carry, xs, length, ys_like):
+  """``jax.lax.scan(step, carry, xs)`` over the first ``length`` rows of
+  ``xs`` only: the padded rows after them are never read.
+
+  A loop of ``length`` (a traced int32 scalar) iterations, so the padding
+  of a bucketed trace costs no steps and cannot change a result: each
+  iteration reads row ``i`` of ``xs`` and writes row ``i`` of the
+  outputs, exactly as ``scan`` does.
+
+  Args:
+    step: ``(carry, x) -> (carry, y)``, as for ``jax.lax.scan``.
+    carry: the initial carry.
+    xs: pytree of arrays with equal leading axes ``[S_pad, ...]``.
+    length: int32 scalar, the real steps (at most ``S_pad``).
+    ys_like: pytree of :class:`jax.ShapeDtypeStruct` of one step's ``y``
+      (given, not traced, so ``step`` is traced once).
+
+  Returns:
+    The final carry and the outputs, ``[S_pad, ...]`` each, zeros past
+    ``length``.
+  """
+  rows = jax.tree.leaves(xs)[0].shape[0]
+  ys = jax.tree.map(
+    lambda like: jnp.zeros((rows, *like.shape), like.dtype), ys_like
+  )
+
+  def body(i, state):
+    carry, ys = state
+    x = jax.tree.map(
+      lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), xs
+    )
+    carry, y = step(carry, x)
+    ys = jax.tree.map(
+      lambda buf, v: jax.lax.dynamic_update_index_in_dim(buf, v, i, 0), ys, y
+    )
+    return carry, ys
+
+  return jax.lax.fori_loop(0, length, body, (carry, ys))
+
+
 def _columns(prepared: Prepared) -> np.ndarray:
   """The capacities padded to :func:`bucket` by repeating the last one
   (``points`` reads only the first ``C`` columns)."""
@@ -283,8 +363,9 @@ def compile_and_run(
   """``engine.run`` on ``prepared``, compiled (or reused) and run to
   completion; returns its outputs as numpy arrays (a leading ``[C]`` axis
   for ``PER_CAPACITY`` engines; ``COLUMNS`` engines see ``bucket(C)``
-  capacities, the first ``C`` the real ones) and the :class:`Timing`.
-  ``devices``: as :func:`execute`."""
+  capacities, the first ``C`` the real ones; a ``bucketed`` preparation's
+  per-step or per-request outputs run to the padded length, zeros past
+  the real one) and the :class:`Timing`. ``devices``: as :func:`execute`."""
   if (
     engine.batching is Batching.PER_CAPACITY
     and devices is not None

@@ -471,17 +471,24 @@ def replay_one(
   *,
   block_size: int,
   waiting_refresh_interval: int | None = WAITING_REFRESH_INTERVAL,
+  num_keys: int | None = None,
 ):
   """Hit tokens, free pages after, broken invariant: ``[R]`` each.
 
+  ``xs`` is the per-request arrays and the number of real requests: only
+  those run (the rows after them, and the table's, are padding).
   ``waiting_refresh_interval`` (static): requests ``0, n, 2n, ...`` first
   touch their whole page-aligned prompt (a match, uncapped); ``None``: none
-  does.
+  does. ``num_keys`` (static): the timestamps the leaf bitmap holds, at
+  least ``_TICKS_PER_REQUEST`` per real request plus 2 (default: that many
+  for every row of ``xs``).
   """
   table, depth = consts
+  xs, num_real = xs
   num_requests = xs[0].shape[0]
   width = table.shape[0] // num_requests
-  num_keys = _TICKS_PER_REQUEST * num_requests + 2
+  if num_keys is None:
+    num_keys = _key_count(num_requests)
   c = {
     "table": table,
     "depth": depth,
@@ -584,11 +591,16 @@ def replay_one(
     return s, (hit * ps, s["free"], bad)
 
   s = _init(depth.shape[0], num_keys, capacity)
-  _, out = jax.lax.scan(step, s, xs)
+  like = (
+    jax.ShapeDtypeStruct((), i32),
+    jax.ShapeDtypeStruct((), i32),
+    jax.ShapeDtypeStruct((), jnp.bool_),
+  )
+  _, out = frame.scan_prefix(step, s, xs, num_real, like)
   return out
 
 
-def _run(arrays, capacity, *, block_size, waiting_refresh_interval):
+def _run(arrays, capacity, *, block_size, waiting_refresh_interval, num_keys):
   consts, xs = arrays
   return replay_one(
     consts,
@@ -596,7 +608,25 @@ def _run(arrays, capacity, *, block_size, waiting_refresh_interval):
     capacity,
     block_size=block_size,
     waiting_refresh_interval=waiting_refresh_interval,
+    num_keys=num_keys,
   )
+
+
+def _key_count(num_requests: int) -> int:
+  """Timestamps ``num_requests`` requests can take (keys of the bitmap)."""
+  return _TICKS_PER_REQUEST * num_requests + 2
+
+
+def _padded_key_count(num_requests: int, rows: int) -> int:
+  """The key count of ``rows`` requests, but at most the power of 32 at or
+  above the ``num_requests`` real ones' (their timestamps all fit below
+  it): padding then never adds a bitmap level (a word read per level, on
+  every search and update). Two traces of one bucket compile apart only
+  when their key counts straddle a power of 32 (``R`` from 57 to 64,
+  1,821 to 2,048, 58,255 to 65,536)."""
+  real = _key_count(num_requests)
+  levels = len(bitmap.layout(real)[0])
+  return min(_key_count(rows), 32**levels)
 
 
 def _check_interval(waiting_refresh_interval) -> int | None:
@@ -623,27 +653,48 @@ def _prepare(
   block_size: int,
   warmup_fraction: float = 0.5,
   waiting_refresh_interval: int | None = WAITING_REFRESH_INTERVAL,
+  bucketed: bool = False,
 ) -> Prepared:
+  """Scan inputs; ``bucketed``: requests, table columns and pages padded
+  to powers of two (:func:`prefixjax.replay.frame.padded`: padded requests
+  never run, padded columns are ``-1`` as past any request's end, and no
+  real request names a padded page; timestamps count from 0 whatever the
+  key space's size)."""
   interval = _check_interval(waiting_refresh_interval)
   plan = plan_pages(trace, block_size)
-  consts = (to_device(plan.pages.reshape(-1)), to_device(plan.depth))
+  num_requests = len(trace)
+  rows = frame.padded(num_requests, bucketed)
+  pages = np.full((rows, frame.padded(plan.max_pages, bucketed)), NONE)
+  pages[:num_requests, : plan.max_pages] = plan.pages
+  consts = (
+    pages.astype(np.int32).reshape(-1),
+    frame.pad_rows(plan.depth, frame.padded(plan.num_pages, bucketed), 0),
+  )
+  # Padded requests (never run): an empty prompt and no output.
   xs = (
-    to_device(np.arange(len(trace), dtype=np.int32)),
-    to_device(plan.prompt_lens),
-    to_device(plan.output_lens),
+    np.arange(rows, dtype=np.int32),
+    frame.pad_rows(plan.prompt_lens, rows, 0),
+    frame.pad_rows(plan.output_lens, rows, 1),
   )
   return Prepared(
-    arrays=(consts, xs),
+    arrays=(
+      tuple(map(to_device, consts)),
+      (tuple(map(to_device, xs)), to_device(np.int32(num_requests))),
+    ),
     capacities=np.asarray(capacities, np.int32),
-    static=dict(block_size=block_size, waiting_refresh_interval=interval),
+    static=dict(
+      block_size=block_size,
+      waiting_refresh_interval=interval,
+      num_keys=_padded_key_count(num_requests, rows),
+    ),
     context=(trace, warmup_fraction),
   )
 
 
-def _checked_outputs(capacities, outputs):
-  """``[C, R]`` int64 hit tokens and free pages, after checking the
-  invariant flags."""
-  hits, free, bad = outputs
+def _checked_outputs(capacities, outputs, num_requests):
+  """``[C, R]`` int64 hit tokens and free pages of the ``R =
+  num_requests`` real requests, after checking their invariant flags."""
+  hits, free, bad = (np.asarray(x)[:, :num_requests] for x in outputs)
   if bad.any():
     c, r = (int(i[0]) for i in np.nonzero(bad))
     raise RuntimeError(
@@ -654,8 +705,8 @@ def _checked_outputs(capacities, outputs):
 
 
 def _points(prepared: Prepared, capacities, outputs):
-  hits, _ = _checked_outputs(capacities, outputs)
   trace, warmup_fraction = prepared.context
+  hits, _ = _checked_outputs(capacities, outputs, len(trace))
   return frame.points_of_requests(
     SGLANG_POLICY,
     capacities,
@@ -722,19 +773,21 @@ def hits_and_free(
   capacities,
   *,
   waiting_refresh_interval: int | None = WAITING_REFRESH_INTERVAL,
+  bucketed: bool = True,
 ):
   """``[C, R]`` hit tokens and free pages after each request, for
   arguments :func:`replay_sglang` accepts (``waiting_refresh_interval``
-  as there)."""
+  as there; ``bucketed`` as :data:`ENGINE`'s ``prepare``)."""
   capacities = _check(trace, block_size, capacities, 0.0)
   prepared = ENGINE.prepare(
     trace,
     capacities,
     block_size=int(block_size),
     waiting_refresh_interval=waiting_refresh_interval,
+    bucketed=bucketed,
   )
   outputs, _ = frame.compile_and_run(ENGINE, prepared)
-  return _checked_outputs(capacities, outputs)
+  return _checked_outputs(capacities, outputs, len(trace))
 
 
 def replay_sglang(
@@ -809,6 +862,7 @@ def replay_sglang(
     block_size=int(block_size),
     warmup_fraction=warmup_fraction,
     waiting_refresh_interval=waiting_refresh_interval,
+    bucketed=True,
   )
   return frame.execute(ENGINE, prepared, capacities, devices)
 

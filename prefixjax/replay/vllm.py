@@ -288,6 +288,7 @@ def replay_vllm(
     block_size=block_size,
     warmup_fraction=warmup_fraction,
     free_order=free_order,
+    bucketed=True,
   )
   return frame.execute(vllm_engine.ENGINE, prepared, capacities, devices)
 

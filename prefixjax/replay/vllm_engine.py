@@ -358,8 +358,10 @@ def _run(
   width,
   free_order,
 ):
-  """``[R]`` hit blocks and broken-invariant flags of one capacity."""
+  """``[R]`` hit blocks and broken-invariant flags of one capacity (the
+  first ``num_requests`` rows of ``xs`` run)."""
   first_slot, next_slot = consts
+  xs, num_requests = xs
   s = _init(
     first_slot,
     next_slot.shape[0],
@@ -375,7 +377,11 @@ def _run(
     width=width,
     free_order=free_order,
   )
-  _, out = jax.lax.scan(step, s, xs)
+  like = (
+    jax.ShapeDtypeStruct((), jnp.int32),
+    jax.ShapeDtypeStruct((), jnp.bool_),
+  )
+  _, out = frame.scan_prefix(step, s, xs, num_requests, like)
   return out
 
 
@@ -387,10 +393,18 @@ def _prepare(
   warmup_fraction: float = 0.5,
   width: int | None = None,
   free_order: str = "prepend_unhashed",
+  bucketed: bool = False,
 ) -> Prepared:
   """Scan inputs for arguments
   :func:`prefixjax.replay.vllm.replay_vllm` has validated (``free_order``:
-  :func:`prefixjax.cache.prefix_state.vllm_free_order` of its version)."""
+  :func:`prefixjax.cache.prefix_state.vllm_free_order` of its version).
+
+  ``bucketed``: requests, table columns, keys, slots, blocks and queue
+  keys padded to powers of two (:func:`prefixjax.replay.frame.padded`):
+  padded requests are never run; padded keys, slots and blocks are never
+  named by a real request (blocks past the capacity never enter the free
+  queue); the head keys start at their padded count, and queue order is
+  key order, so shifting every key by the same amount changes no pop."""
   if free_order not in _FREE_ORDERS:
     raise ValueError(f"{free_order=} must be one of {_FREE_ORDERS}")
   totals = trace.kv_tokens
@@ -402,29 +416,59 @@ def _prepare(
     num_head_keys, num_tail_keys = 0, int(blocks.sum())
   else:
     num_head_keys, num_tail_keys = int((blocks - full).sum()), int(full.sum())
-  num_queue_keys = num_head_keys + largest + num_tail_keys
-  if num_queue_keys >= 2**31 - 1:
+  if num_head_keys + largest + num_tail_keys >= 2**31 - 1:
     raise ValueError(
-      f"capacity {largest} plus {num_queue_keys - largest} blocks over the "
-      "trace overflow int32 queue keys"
+      f"capacity {largest} plus {num_head_keys + num_tail_keys} blocks over "
+      "the trace overflow int32 queue keys"
     )
-  max_blocks = plan.keys.shape[1]
+  # The head keys and the rest are bucketed apart, so the program depends
+  # on the buckets of the two counts alone.
+  padded_head = frame.padded(num_head_keys, bucketed) if num_head_keys else 0
+  padded_keys = padded_head + frame.padded(largest + num_tail_keys, bucketed)
+  if padded_keys < 2**31 - 1:
+    num_head_keys, num_queue_keys = padded_head, padded_keys
+  else:  # the buckets overflow int32 where the counts fit: no padding
+    num_queue_keys = num_head_keys + largest + num_tail_keys
+  num_requests, max_blocks = plan.keys.shape
+  max_blocks = frame.padded(max_blocks, bucketed)
   if width is None:  # one window per request, mostly (2 * M is no faster)
     width = min(_WIDTH, 1 << max(max_blocks - 1, 31).bit_length())
-  consts = (to_device(plan.first_slot), to_device(plan.next_slot))
+  # Slot ids past the real ones mean "none" (the plan's own sentinel is
+  # its slot count): every real offset is at most the real count.
+  num_slots = plan.next_slot.shape[0]
+  slots = frame.padded(num_slots, bucketed)
+
+  def sentinel(x):
+    return np.where(x == num_slots, slots, x).astype(np.int32)
+
+  consts = (
+    frame.pad_rows(
+      sentinel(plan.first_slot),
+      frame.padded(plan.first_slot.shape[0], bucketed),
+      slots,
+    ),
+    frame.pad_rows(sentinel(plan.next_slot), slots, slots),
+  )
+  # Padded requests (never run): no prompt, no blocks, no keys.
+  rows = frame.padded(num_requests, bucketed)
+  keys = np.full((num_requests, max_blocks), NONE, np.int32)
+  keys[:, : plan.keys.shape[1]] = plan.keys
   xs = (
-    to_device(plan.keys),
-    to_device(plan.prompt_lens),
-    to_device(plan.num_blocks),
-    to_device(plan.num_full),
-    to_device(plan.offsets),
+    frame.pad_rows(keys, rows, NONE),
+    frame.pad_rows(plan.prompt_lens, rows, 0),
+    frame.pad_rows(plan.num_blocks, rows, 0),
+    frame.pad_rows(plan.num_full, rows, 0),
+    frame.pad_rows(plan.offsets, rows, num_slots),
   )
   return Prepared(
-    arrays=(consts, xs),
+    arrays=(
+      tuple(map(to_device, consts)),
+      (tuple(map(to_device, xs)), to_device(np.int32(num_requests))),
+    ),
     capacities=np.asarray(capacities, np.int32),
     static=dict(
       block_size=block_size,
-      num_blocks=largest + 1,
+      num_blocks=frame.padded(largest + 1, bucketed),
       num_queue_keys=num_queue_keys,
       num_head_keys=num_head_keys,
       width=width,
@@ -439,9 +483,10 @@ def _engine_run(arrays, capacity, **static):
   return _run(consts, xs, capacity, **static)
 
 
-def _hits(capacities, outputs, block_size) -> np.ndarray:
-  """``[C, R]`` int64 hit tokens, after checking the invariant flags."""
-  hits, bad = outputs
+def _hits(capacities, outputs, block_size, num_requests) -> np.ndarray:
+  """``[C, R]`` int64 hit tokens of the ``R = num_requests`` real
+  requests, after checking their invariant flags."""
+  hits, bad = (np.asarray(x)[:, :num_requests] for x in outputs)
   for capacity, flags in zip(capacities, bad, strict=True):
     if flags.any():
       raise RuntimeError(
@@ -458,7 +503,7 @@ def _points(prepared: Prepared, capacities, outputs):
     POLICY,
     capacities,
     block_size,
-    _hits(capacities, outputs, block_size),
+    _hits(capacities, outputs, block_size, len(trace)),
     trace.input_lengths,
     warmup_fraction,
   )
@@ -470,10 +515,12 @@ def replay_hits(
   capacities,
   width: int | None = None,
   free_order: str = "prepend_unhashed",
+  bucketed: bool = True,
 ) -> list[np.ndarray]:
   """``[R]`` int64 hit tokens per capacity, for arguments
   :func:`prefixjax.replay.vllm.replay_vllm` has validated; ``free_order``
-  as :func:`prefixjax.cache.prefix_cache.init`'s (vLLM 0.33's by default)."""
+  as :func:`prefixjax.cache.prefix_cache.init`'s (vLLM 0.33's by default);
+  ``bucketed`` as :data:`ENGINE`'s ``prepare``."""
   capacities = [int(c) for c in capacities]
   if not capacities:
     return []
@@ -483,9 +530,10 @@ def replay_hits(
     block_size=block_size,
     width=width,
     free_order=free_order,
+    bucketed=bucketed,
   )
   outputs, _ = frame.compile_and_run(ENGINE, prepared)
-  return list(_hits(capacities, outputs, block_size))
+  return list(_hits(capacities, outputs, block_size, len(trace)))
 
 
 ENGINE = ReplayEngine(

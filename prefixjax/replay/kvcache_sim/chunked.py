@@ -88,8 +88,9 @@ a walk evicts a prefix of the sequential victims; the next walk goes on.
   request stops (without an eviction when the only leaf is its protected
   hit).
 * ``belady_leaf`` keys a node by the event of its next use, or, if it is
-  never used again, by ``E + 1 +`` the event that last touched it (above
-  every finite key, and still naming the node's path; never-used leaves
+  never used again, by ``E +`` the event that last touched it (at or
+  above ``E``, so above every finite key, and still naming the node's
+  path; never-used leaves
   tie, and any of them is a valid victim); the victim is the largest key.
   Victim ``i`` of a chunk makes room for its insertion ``free + i``, and
   the walk stops at the first victim whose next-use request is not after
@@ -113,6 +114,7 @@ import numpy as np
 from prefixjax._host import to_device
 from prefixjax._masked import NONE, barrier, gather, scatter
 from prefixjax.cache import bitmap
+from prefixjax.replay import frame
 from prefixjax.replay.frame import Batching, Prepared, ReplayEngine
 from prefixjax.replay.kvcache_sim import POLICIES
 from prefixjax.replay.plan import ReplayPlan, clip_capacities, points_of_events
@@ -200,14 +202,16 @@ def _fifo_width(num_capacities: int) -> int:
   return 16 if num_capacities <= 8 else 8
 
 
-def _fifo_chunks(plan: ReplayPlan, width: int):
+def _fifo_chunks(plan: ReplayPlan, width: int, bucketed: bool = True):
   """The ``fifo`` scan's inputs: every request's seen prefix cut into
   ``[S, W]`` chunks (at least one chunk per request).
 
-  Returns ``xs`` (``[S, W]`` key rows to read and write, ``[S, W]`` base
-  rows to read, and ``[S]``: starts its request, in warm-up, new blocks
-  appended after the chunk, base row to write), ``[S]`` each chunk's kept
-  request, the key array's row count and its spare row.
+  Returns ``xs`` (``[S_pad, W]`` key rows to read and write, ``[S_pad, W]``
+  base rows to read, and ``[S_pad]``: starts its request, in warm-up, new
+  blocks appended after the chunk, base row to write; ``S`` real chunks
+  padded to ``S_pad``, with ``bucketed`` a power of two), ``[S]`` each
+  chunk's kept request and the key array's row count (its last row the
+  spare row, ``bucketed`` a power of two).
   """
   num_events, num_kept = plan.num_events, plan.num_kept
   lengths, cols = request_lengths(plan)
@@ -221,13 +225,16 @@ def _fifo_chunks(plan: ReplayPlan, width: int):
   if not np.array_equal(seen, cols < prefix[plan.request]):
     # Impossible for trie nodes: a seen node's parent was seen with it.
     raise RuntimeError("a request's already-seen blocks are not its prefix")
-  # Rows: a key row per node used again, the spare row (padding), a base
-  # row per request.
+  # Rows: a key row per node used again, a base row per request, unused
+  # rows up to the bucket, and the spare row (padding lanes) last, so the
+  # compiled program depends on the row count alone.
   again = np.zeros(plan.unique_blocks + 1, bool)
   again[nodes[uses > 1]] = True
-  spare = int(again.sum())
+  num_again = int(again.sum())
+  num_rows = frame.padded(num_again + num_kept + 1, bucketed)
+  spare = num_rows - 1
   key_row = np.full(plan.unique_blocks + 1, spare, np.int64)
-  key_row[again] = np.arange(spare)
+  key_row[again] = np.arange(num_again)
   per_request = np.maximum(1, -(-prefix // width))
   num_chunks = int(per_request.sum())
   first_chunk = np.cumsum(per_request) - per_request
@@ -236,7 +243,7 @@ def _fifo_chunks(plan: ReplayPlan, width: int):
   at += (cols[events] % width,)
   origin = plan.request[first_of[plan.node[events]]]  # added it as new
   reads = []
-  for row in (key_row[plan.node[events]], spare + 1 + origin):
+  for row in (key_row[plan.node[events]], num_again + origin):
     out = np.full((num_chunks, width), spare, np.int32)
     out[at] = row
     reads.append(out)
@@ -248,9 +255,15 @@ def _fifo_chunks(plan: ReplayPlan, width: int):
     index == first_chunk[request],
     request < plan.warmup_requests,
     np.where(last, lengths[request] - prefix[request], 0).astype(np.int32),
-    (spare + 1 + request).astype(np.int32),
+    (num_again + request).astype(np.int32),
   )
-  return xs, request.astype(np.int32), spare + 1 + num_kept, spare
+  # Padded chunks (never run): no block, no warm-up, no new blocks.
+  steps = frame.padded(num_chunks, bucketed)
+  fills = (spare, spare, False, False, 0, spare)
+  xs = tuple(
+    frame.pad_rows(x, steps, f) for x, f in zip(xs, fills, strict=True)
+  )
+  return xs, request.astype(np.int32), num_rows
 
 
 def _fifo_step(s, x, *, capacities, spare):
@@ -318,9 +331,11 @@ def _fifo_step(s, x, *, capacities, spare):
   return s, hits
 
 
-@functools.partial(jax.jit, static_argnames=("num_rows", "spare"))
-def _fifo_all(xs, capacities, *, num_rows, spare):
-  """``[C, S]`` hit blocks per chunk and ``[C]`` filled flags (``fifo``).
+@functools.partial(jax.jit, static_argnames=("num_rows",))
+def _fifo_all(xs, num_steps, capacities, *, num_rows):
+  """``[C, S]`` hit blocks per chunk and ``[C]`` filled flags (``fifo``;
+  the first ``num_steps`` chunks of ``xs`` run, the spare row is the
+  last).
 
   Not ``vmap``: ``vmap`` would give every capacity its own keys and gather
   from each; capacity-minor rows are one gather of ``2 W`` rows. The fix-up
@@ -336,8 +351,11 @@ def _fifo_all(xs, capacities, *, num_rows, spare):
     "in_run": jnp.zeros((n,), bool),
     "filled": jnp.zeros((n,), bool),
   }
-  step = functools.partial(_fifo_step, capacities=capacities, spare=spare)
-  s, hits = jax.lax.scan(step, s, xs)
+  step = functools.partial(
+    _fifo_step, capacities=capacities, spare=num_rows - 1
+  )
+  like = jax.ShapeDtypeStruct((n,), i32)
+  s, hits = frame.scan_prefix(step, s, xs, num_steps, like)
   return hits.T, s["filled"]
 
 
@@ -366,8 +384,9 @@ class _Chunk(NamedTuple):
 
   lru: bool
   offsets: tuple[int, ...]  # the leaf bitmap's level offsets
-  never: int  # belady_leaf: the next-use event of an unused node
-  consts: tuple  # [E] ev_node, [E] ev_start, [E + 1] ev_req, [V] parent_of
+  never: jax.Array  # belady_leaf: the next-use event of an unused node
+  # [E] ev_node, [E] ev_start, [E + 1] ev_req, [V] parent_of, [] never
+  consts: tuple
   nodes: jax.Array  # [W] the chunk's nodes (-1 padded)
   valid: jax.Array  # [W] which columns hold a block
   col: jax.Array  # [W] column indices
@@ -379,7 +398,7 @@ class _Chunk(NamedTuple):
 
 def _origin(c: _Chunk, key):
   """The event a key names (its node's, on the node's path)."""
-  return key if c.lru else jnp.where(key > c.never, key - c.never - 1, key)
+  return key if c.lru else jnp.where(key >= c.never, key - c.never, key)
 
 
 def _info_of(info, ns, fill=0):
@@ -434,7 +453,7 @@ def _walk_reads(c: _Chunk, info, bm, chain, hit_n, free, need, done, go):
   best leaf ``k1``, the rows of its chain of ancestors (the earlier events
   of its request), the victims to take (``taken``), whether their parent
   is exposed as a leaf, and the bitmap words to update."""
-  ev_node, ev_start, ev_req, _ = c.consts
+  ev_node, ev_start, ev_req, _, _ = c.consts
   i32 = jnp.int32
   width = c.nodes.shape[0]
   k1 = bitmap.find(bm, c.offsets, rightmost=not c.lru)
@@ -596,7 +615,12 @@ def _leaf_step(s, x, *, policy, capacity, consts, num_events):
   """
   nodes, evs, use, use_req, first, warm = x
   lru = policy == "lru_leaf"
-  never = num_events  # belady_leaf: the next-use event of an unused node
+  # belady_leaf: the next-use event of an unused node, the trace's event
+  # count (data, not the padded num_events: the keys then lie as on the
+  # unpadded trace, 0 .. 2 E - 1 with no gap, and the walks stop where
+  # they would there; a gap up to the padded count made them 1.4x slower
+  # on the Mooncake trace).
+  never = consts[4]
   width = nodes.shape[0]
   i32 = jnp.int32
   col = jnp.arange(width, dtype=i32)
@@ -612,7 +636,7 @@ def _leaf_step(s, x, *, policy, capacity, consts, num_events):
   if lru:
     new_keys = evs
   else:
-    new_keys = jnp.where(use < never, use, never + 1 + evs)
+    new_keys = jnp.where(use < never, use, never + evs)
   c = _Chunk(
     lru=lru,
     offsets=bitmap.layout(_num_keys(policy, num_events))[0],
@@ -652,20 +676,22 @@ def _leaf_step(s, x, *, policy, capacity, consts, num_events):
 
 
 def _num_keys(policy, num_events):
-  """Leaf keys: event indices; ``belady_leaf`` adds a never-used range."""
-  return num_events + 1 if policy == "lru_leaf" else 2 * num_events + 2
+  """Leaf keys: event indices below ``E``; ``belady_leaf`` adds a
+  never-used range ``E .. 2 E - 1``. No slack on top: a padded ``E`` is a
+  power of two, and one key more would add a bitmap level at every power
+  of 32 (2**20 + 2 keys take 5 levels, 2**20 take 4; the first 1.8x the
+  run time of the Mooncake trace's ``belady_leaf`` points)."""
+  return num_events if policy == "lru_leaf" else 2 * num_events
 
 
-def _run(xs, consts, capacity, *, policy, num_nodes, num_events):
-  """``[S]`` hit blocks per step and whether the cache filled in warm-up
-  (the leaf policies, one capacity)."""
+def _init_leaf(policy, num_nodes, num_events):
+  """The empty cache of one capacity (the leaf policies)."""
   i32 = jnp.int32
-  nodes, first, warm, evs, use, use_req = xs
   # Per node, interleaved: [2n] cached children (-1: not cached), [2n + 1]
   # its key. The root is always cached and never a leaf.
   info = jnp.zeros((num_nodes, 2), i32).at[1:, 0].set(NONE)
   num_words = bitmap.layout(_num_keys(policy, num_events))[1]
-  s = {
+  return {
     "in_run": jnp.bool_(False),
     "filled": jnp.bool_(False),
     "info": info.reshape(-1),  # [2V]
@@ -676,36 +702,48 @@ def _run(xs, consts, capacity, *, policy, num_nodes, num_events):
     "prev": i32(0),
     "prev_hit": jnp.bool_(True),
   }
-  step = functools.partial(
-    _leaf_step,
-    policy=policy,
-    capacity=capacity,
-    consts=consts,
-    num_events=num_events,
-  )
-  xs = (nodes, evs, use, use_req, first, warm)
-  s, hits = jax.lax.scan(step, s, xs)
-  return hits, s["filled"]
 
 
 @functools.partial(
   jax.jit, static_argnames=("policy", "num_nodes", "num_events")
 )
-def _run_all(xs, consts, capacities, *, policy, num_nodes, num_events):
+def _run_all(
+  xs, consts, num_steps, capacities, *, policy, num_nodes, num_events
+):
   """``[C, S]`` hit blocks per chunk and ``[C]`` filled flags (the leaf
-  policies).
+  policies; the first ``num_steps`` chunks run).
 
   ``vmap`` over capacities: one step serves every capacity, which amortises
   XLA:CPU's per-op cost. The eviction loop takes its trip
   count from every capacity at once (a ``pmax`` over the vmapped axis):
   with a per-capacity trip count ``vmap`` would select over the whole
   state on every iteration; here a capacity with nothing left to evict
-  runs the body as a no-op.
+  runs the body as a no-op. The step is vmapped, not the loop over steps
+  (the same program; a vmapped loop is traced twice to find its batched
+  carry).
   """
-  run = lambda c: _run(
-    xs, consts, c, policy=policy, num_nodes=num_nodes, num_events=num_events
+  nodes, first, warm, evs, use, use_req = xs
+  num = capacities.shape[0]
+  init = _init_leaf(policy, num_nodes, num_events)
+  s = jax.tree.map(lambda x: jnp.broadcast_to(x, (num, *x.shape)), init)
+
+  def one(s, x, capacity):
+    return _leaf_step(
+      s,
+      x,
+      policy=policy,
+      capacity=capacity,
+      consts=consts,
+      num_events=num_events,
+    )
+
+  step = jax.vmap(one, in_axes=(0, None, 0), axis_name=_CAPACITIES)
+  xs = (nodes, evs, use, use_req, first, warm)
+  like = jax.ShapeDtypeStruct((num,), jnp.int32)
+  s, hits = frame.scan_prefix(
+    lambda s, x: step(s, x, capacities), s, xs, num_steps, like
   )
-  return jax.vmap(run, axis_name=_CAPACITIES)(capacities)
+  return hits.T, s["filled"]
 
 
 def check_width(width) -> int:
@@ -714,53 +752,74 @@ def check_width(width) -> int:
   return width
 
 
-def _prepare(plan: ReplayPlan, capacities, *, policy: str, width=None):
+def _prepare(
+  plan: ReplayPlan, capacities, *, policy: str, width=None, bucketed=False
+):
   """Scan inputs for ``policy``; ``width`` blocks per scan step (a longer
   request takes several steps; ``fifo`` steps walk only the blocks seen
   before): by default 32, and for ``fifo`` 32, 16 or 8 as the capacities
-  grow (see :func:`_fifo_width`)."""
+  grow (see :func:`_fifo_width`). ``bucketed``: steps, rows, events and
+  nodes padded to powers of two (the padded steps are never run, and no
+  real step reaches a padded row)."""
   if width is None:
     width = _fifo_width(len(capacities)) if policy == "fifo" else _WIDTH
   check_width(width)
   clipped = clip_capacities(plan, capacities)
   if policy == "fifo":
-    xs, request, num_rows, spare = _fifo_chunks(plan, width)
+    xs, request, num_rows = _fifo_chunks(plan, width, bucketed)
     return Prepared(
-      arrays=tuple(to_device(a) for a in xs),
+      arrays=(
+        tuple(to_device(a) for a in xs),
+        to_device(np.int32(request.shape[0])),
+      ),
       capacities=clipped,
-      static=dict(policy=policy, num_rows=num_rows, spare=spare),
+      static=dict(policy=policy, num_rows=num_rows),
       context=(plan, request),
     )
   rows, first, request, _ = chunks(plan, width)
   nodes = column(rows, plan.node)
   warm = request < plan.warmup_requests
+  num_events = frame.padded(plan.num_events, bucketed)
+  num_nodes = frame.padded(plan.unique_blocks + 1, bucketed)
   # Per column: its event index, the event and the request of its node's
-  # next use (never: num_events and num_kept + 1; -1 padded). Per event:
-  # its node, its request's first event and its request (one more entry
-  # for never).
+  # next use (never: E, the trace's event count, and num_kept + 1; -1
+  # padded). Per event: its node, its request's first event and its
+  # request (never_req from index E on, so at never); then never itself.
+  never = plan.num_events
   starts = np.flatnonzero(plan.first)
-  ev_start = np.repeat(starts, np.diff(np.r_[starts, plan.num_events]))
-  use_ev = np.full(plan.num_events, plan.num_events, np.int32)
-  order = np.lexsort((np.arange(plan.num_events), plan.node))
+  ev_start = np.repeat(starts, np.diff(np.r_[starts, never]))
+  use_ev = np.full(never, never, np.int32)
+  order = np.lexsort((np.arange(never), plan.node))
   same = plan.node[order][1:] == plan.node[order][:-1]
-  use_ev[order[:-1]] = np.where(same, order[1:], plan.num_events)
+  use_ev[order[:-1]] = np.where(same, order[1:], never)
   columns = [
     column(rows, per_event)
     for per_event in (np.arange(plan.num_events), use_ev, plan.next_use)
   ]
-  xs = tuple(to_device(a) for a in (nodes, first, warm, *columns))
-  ev_req = np.r_[plan.request, plan.num_kept + 1]
-  consts = tuple(
-    to_device(a, jnp.int32) for a in (plan.node, ev_start, ev_req, plan.parent)
+  # Padded chunks (never run): no block, no warm-up.
+  steps = frame.padded(rows.shape[0], bucketed)
+  xs = (nodes, first, warm, *columns)
+  fills = (NONE, False, False, NONE, NONE, NONE)
+  xs = tuple(
+    to_device(frame.pad_rows(x, steps, f))
+    for x, f in zip(xs, fills, strict=True)
+  )
+  never_req = plan.num_kept + 1
+  consts = (
+    frame.pad_rows(plan.node, num_events, 0),
+    frame.pad_rows(ev_start, num_events, 0),
+    frame.pad_rows(plan.request, num_events + 1, never_req),
+    frame.pad_rows(plan.parent, num_nodes, 0),
+    np.int32(never),
   )
   return Prepared(
-    arrays=(xs, consts),
-    capacities=clipped,
-    static=dict(
-      policy=policy,
-      num_nodes=plan.unique_blocks + 1,
-      num_events=plan.num_events,
+    arrays=(
+      xs,
+      tuple(to_device(a, np.int32) for a in consts),
+      to_device(np.int32(rows.shape[0])),
     ),
+    capacities=clipped,
+    static=dict(policy=policy, num_nodes=num_nodes, num_events=num_events),
     context=(plan, request),
   )
 
@@ -768,14 +827,16 @@ def _prepare(plan: ReplayPlan, capacities, *, policy: str, width=None):
 def _engine_run(arrays, capacities, *, policy, **static):
   """``[C, S]`` hit blocks per chunk and ``[C]`` filled flags."""
   if policy == "fifo":
-    return _fifo_all(arrays, capacities, **static)
-  xs, consts = arrays
-  return _run_all(xs, consts, capacities, policy=policy, **static)
+    xs, num_steps = arrays
+    return _fifo_all(xs, num_steps, capacities, **static)
+  xs, consts, num_steps = arrays
+  return _run_all(xs, consts, num_steps, capacities, policy=policy, **static)
 
 
 def _points(prepared: Prepared, capacities, outputs):
   plan, request = prepared.context
   hits, filled = outputs
+  hits = np.asarray(hits)[:, : request.shape[0]]
   policy = prepared.static["policy"]
   return chunk_points(plan, policy, capacities, request, hits, filled)
 

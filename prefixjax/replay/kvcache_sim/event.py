@@ -48,8 +48,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from prefixjax._host import to_device
 from prefixjax._masked import NONE, barrier, gather, scatter, scatter_add
 from prefixjax.cache import bitmap
+from prefixjax.replay import frame
 from prefixjax.replay.frame import Batching, Prepared, ReplayEngine
 from prefixjax.replay.kvcache_sim import POLICIES
 from prefixjax.replay.plan import ReplayPlan, clip_capacities, points_of_events
@@ -425,14 +427,14 @@ def _leaf_step(s, policy, static, consts, ev):
 
 
 def _replay_one(
-  policy, events, consts, num_keys, never_req, max_capacity, capacity
+  policy, events, consts, num_steps, num_keys, max_capacity, capacity
 ):
   num_nodes = consts[0].shape[0]
   carry = _init_carry(policy, num_nodes, num_keys, capacity, max_capacity)
   static = {
     "bm_offsets": bitmap.layout(num_keys)[0],
     "never": num_keys - 1,
-    "never_req": never_req,
+    "never_req": _NEVER_REQ,
   }
 
   def step(carry, ev):
@@ -449,58 +451,76 @@ def _replay_one(
     _fifo_step(t, node, pres, warm)
     return t.s, jnp.where(hit, weight, 0)
 
-  carry, hits = jax.lax.scan(step, carry, events)
+  like = jax.ShapeDtypeStruct((), events[1].dtype)
+  carry, hits = frame.scan_prefix(step, carry, events, num_steps, like)
   return hits, carry["filled"]
 
 
-def _device_events(plan: ReplayPlan):
-  """Per-event arrays for the scan, and constant arrays beside it."""
-  num_events = plan.num_events
+# The next-use request of a block never used again (the plan's
+# ``num_kept + 1``, remapped): above every real request, and the same for
+# every trace, so the compiled program does not depend on the trace's.
+_NEVER_REQ = np.iinfo(np.int32).max
+
+
+def _device_events(plan: ReplayPlan, num_events: int, num_nodes: int):
+  """Per-event arrays for the scan, and constant arrays beside it, padded
+  to ``num_events`` events and ``num_nodes`` nodes (padded events are
+  never run; no real event names a padded node)."""
+  real = plan.num_events
   warm = plan.request < plan.warmup_requests
-  # The next event touching the same node (num_events if none).
-  use_ev = np.full(num_events, num_events, np.int32)
-  order = np.lexsort((np.arange(num_events), plan.node))
+  # The next event touching the same node (num_events, never, if none).
+  use_ev = np.full(real, num_events, np.int32)
+  order = np.lexsort((np.arange(real), plan.node))
   same = plan.node[order][1:] == plan.node[order][:-1]
   use_ev[order[:-1]] = np.where(same, order[1:], num_events)
+  next_use = np.where(plan.next_use > plan.num_kept, _NEVER_REQ, plan.next_use)
   events = (
-    jnp.asarray(plan.node),
-    jnp.asarray(plan.weight),
-    jnp.asarray(plan.next_use),
-    jnp.asarray(use_ev),
-    jnp.asarray(plan.first),
-    jnp.asarray(warm),
-    jnp.asarray(plan.parent[plan.node]),
-    jnp.arange(num_events, dtype=jnp.int32),
+    (plan.node, NONE),
+    (plan.weight, 0),
+    (next_use.astype(np.int32), _NEVER_REQ),
+    (use_ev, num_events),
+    (plan.first, False),
+    (warm, False),
+    (plan.parent[plan.node], NONE),
+    (np.arange(real, dtype=np.int32), NONE),
+  )
+  events = tuple(
+    to_device(frame.pad_rows(x, num_events, fill)) for x, fill in events
   )
   # Per event: its node, the node's parent and its request (one gather
   # names a key's node and parent, and its request for the Belady bypass).
   table = np.stack([plan.node, plan.parent[plan.node], plan.request], axis=1)
-  consts = (jnp.asarray(plan.parent), jnp.asarray(table.reshape(-1)))
-  return events, consts
+  table = frame.pad_rows(table, num_events, 0)
+  consts = (
+    to_device(frame.pad_rows(plan.parent, num_nodes, 0)),
+    to_device(table.reshape(-1)),
+  )
+  return events, consts, to_device(np.int32(real))
 
 
-def _prepare(plan: ReplayPlan, capacities, *, policy: str) -> Prepared:
+def _prepare(
+  plan: ReplayPlan, capacities, *, policy: str, bucketed: bool = False
+) -> Prepared:
+  """Scan inputs; ``bucketed``: events and nodes padded to powers of
+  two."""
+  num_events = frame.padded(plan.num_events, bucketed)
+  num_nodes = frame.padded(plan.unique_blocks + 1, bucketed)
   return Prepared(
-    arrays=_device_events(plan),
+    arrays=_device_events(plan, num_events, num_nodes),
     capacities=clip_capacities(plan, capacities),
     # Leaf keys are event indices; the last key, num_events, is "never".
-    static=dict(
-      policy=policy,
-      num_keys=plan.num_events + 1,
-      never_req=plan.num_kept + 1,
-      max_capacity=plan.unique_blocks + 1,
-    ),
+    static=dict(policy=policy, num_keys=num_events + 1, max_capacity=num_nodes),
     context=plan,
   )
 
 
-def _run(arrays, capacities, *, policy, num_keys, never_req, max_capacity):
+def _run(arrays, capacities, *, policy, num_keys, max_capacity):
   """``[C, E]`` hit tokens per event and ``[C]`` filled flags."""
-  events, consts = arrays
+  events, consts, num_steps = arrays
 
   def one(capacity):
     return _replay_one(
-      policy, events, consts, num_keys, never_req, max_capacity, capacity
+      policy, events, consts, num_steps, num_keys, max_capacity, capacity
     )
 
   return jax.vmap(one)(capacities)
@@ -509,6 +529,7 @@ def _run(arrays, capacities, *, policy, num_keys, never_req, max_capacity):
 def _points(prepared: Prepared, capacities, outputs):
   hits, filled = outputs
   plan, policy = prepared.context, prepared.static["policy"]
+  hits = np.asarray(hits)[:, : plan.num_events]
   return [
     points_of_events(plan, policy, c, hits[i].astype(np.int64), bool(filled[i]))
     for i, c in enumerate(capacities)

@@ -160,8 +160,12 @@ def _rank_step(s, x, *, num_events):
 
 
 @functools.partial(jax.jit, static_argnames=("num_nodes", "num_events"))
-def _ranks(xs, *, num_nodes, num_events):
-  """``[S, W]`` the running maximum rank of each block's request prefix."""
+def _ranks(arrays, *, num_nodes, num_events):
+  """``[S, W]`` the running maximum rank of each block's request prefix
+  (``arrays``: the scan inputs and the real steps; ``num_nodes`` and
+  ``num_events`` at least the trace's: a larger Fenwick tree sums the
+  same prefixes)."""
+  xs, num_steps = arrays
   i32 = jnp.int32
   s = {
     "tree": jnp.zeros((num_events + 1,), i32),
@@ -171,7 +175,9 @@ def _ranks(xs, *, num_nodes, num_events):
     "run_max": i32(-1),
   }
   step = functools.partial(_rank_step, num_events=num_events)
-  return jax.lax.scan(step, s, xs)[1]
+  width = xs[0].shape[1]
+  like = jax.ShapeDtypeStruct((width,), i32)
+  return frame.scan_prefix(step, s, xs, num_steps, like)[1]
 
 
 # ---------------------------------------------------------------------------
@@ -320,9 +326,12 @@ def _belady_step(s, x, *, capacities):
 
 
 @functools.partial(jax.jit, static_argnames=("num_keys",))
-def _belady_scan(xs, capacities, *, num_keys):
+def _belady_scan(arrays, capacities, *, num_keys):
   """``[S, C]`` hit blocks of each step (nonzero only at a request's
-  first) and ``[C]`` whether a capacity lost count of its cache."""
+  first) and ``[C]`` whether a capacity lost count of its cache
+  (``arrays``: the scan inputs and the real steps; ``num_keys`` at least
+  the kept requests)."""
+  xs, num_steps = arrays
   i32 = jnp.int32
   n = capacities.shape[0]
   s = {
@@ -337,7 +346,8 @@ def _belady_scan(xs, capacities, *, num_keys):
     "lost": jnp.zeros((n,), bool),  # excess left with no key to drop
   }
   step = functools.partial(_belady_step, capacities=capacities)
-  s, hits = jax.lax.scan(step, s, xs)
+  like = jax.ShapeDtypeStruct((n,), i32)
+  s, hits = frame.scan_prefix(step, s, xs, num_steps, like)
   return hits, s["lost"]
 
 
@@ -346,8 +356,16 @@ def _belady_scan(xs, capacities, *, num_keys):
 
 
 def _lru_prepare(
-  plan: ReplayPlan, capacities, *, policy="lru_leaf", width=_WIDTH
+  plan: ReplayPlan,
+  capacities,
+  *,
+  policy="lru_leaf",
+  width=_WIDTH,
+  bucketed=False,
 ) -> Prepared:
+  """Scan inputs; ``bucketed``: steps, nodes and events padded to powers
+  of two (:func:`prefixjax.replay.frame.padded`; the padded steps are
+  never run)."""
   _check_policy(policy, "lru_leaf")
   check_width(width)
   rows, first, request, _ = chunks(plan, width)
@@ -357,23 +375,27 @@ def _lru_prepare(
   # its deepest block first.
   ends = np.repeat(2 * starts + lengths - 1, lengths)
   position = (ends - np.arange(plan.num_events)).astype(np.int32)
+  steps = frame.padded(rows.shape[0], bucketed)
   xs = (
-    to_device(column(rows, plan.node)),
-    to_device(column(rows, position)),
-    to_device(first),
-    to_device(starts[request].astype(np.int32)),
+    frame.pad_rows(column(rows, plan.node), steps, NONE),
+    frame.pad_rows(column(rows, position), steps, NONE),
+    frame.pad_rows(first, steps, False),
+    frame.pad_rows(starts[request].astype(np.int32), steps, 0),
   )
   return Prepared(
-    arrays=xs,
+    arrays=(tuple(map(to_device, xs)), to_device(np.int32(rows.shape[0]))),
     capacities=np.asarray(capacities, np.int32),
-    static=dict(num_nodes=plan.unique_blocks + 1, num_events=plan.num_events),
+    static=dict(
+      num_nodes=frame.padded(plan.unique_blocks + 1, bucketed),
+      num_events=frame.padded(plan.num_events, bucketed),
+    ),
     context=(plan, rows),
   )
 
 
 def _hit_capacities(prepared: Prepared, run_max) -> np.ndarray:
   rows = prepared.context[1]
-  run_max = np.asarray(run_max)[rows >= 0].astype(np.int64)
+  run_max = np.asarray(run_max)[: rows.shape[0]][rows >= 0].astype(np.int64)
   return np.where(run_max == _UNSEEN, _UNSEEN, run_max + 1)
 
 
@@ -394,7 +416,9 @@ def lru_stack_minimum(plan: ReplayPlan) -> int:
   return int(np.diff(np.r_[starts, plan.num_events]).max())
 
 
-def lru_hit_capacities(plan: ReplayPlan, *, width: int = _WIDTH) -> np.ndarray:
+def lru_hit_capacities(
+  plan: ReplayPlan, *, width: int = _WIDTH, bucketed: bool = True
+) -> np.ndarray:
   """Per block event, the smallest ``lru_leaf`` capacity at which it hits.
 
   A block is in its request's hit run at capacity ``C`` iff ``C`` is at
@@ -405,11 +429,13 @@ def lru_hit_capacities(plan: ReplayPlan, *, width: int = _WIDTH) -> np.ndarray:
   Args:
     plan: from :func:`prefixjax.replay.prepare_replay`.
     width: blocks per scan step.
+    bucketed: shapes padded to powers of two (the default; ``False``
+      compiles for the trace's own sizes).
 
   Returns:
     ``[E]`` int64.
   """
-  prepared = _lru_prepare(plan, [], width=width)
+  prepared = _lru_prepare(plan, [], width=width, bucketed=bucketed)
   run_max, _ = frame.compile_and_run(LRU_ENGINE, prepared)
   return _hit_capacities(prepared, run_max)
 
@@ -493,7 +519,10 @@ def _belady_prepare(
   *,
   policy="belady_leaf",
   keys_per_step=_KEYS_PER_STEP,
+  bucketed=False,
 ) -> Prepared:
+  """Scan inputs; ``bucketed``: steps and keys padded to powers of two
+  (the padded steps are never run)."""
   _check_policy(policy, "belady_leaf")
   if (
     isinstance(keys_per_step, bool)
@@ -501,11 +530,19 @@ def _belady_prepare(
     or keys_per_step < 1
   ):
     raise ValueError(f"keys_per_step={keys_per_step!r} must be an int >= 1")
-  request, *rest = _belady_steps(plan, keys_per_step)
+  request, first, keys, mults, never = _belady_steps(plan, keys_per_step)
+  steps = frame.padded(request.shape[0], bucketed)
+  xs = (
+    frame.pad_rows(request, steps, 0),
+    frame.pad_rows(first, steps, False),
+    frame.pad_rows(keys, steps, NONE),
+    frame.pad_rows(mults, steps, 0),
+    frame.pad_rows(never, steps, 0),
+  )
   return Prepared(
-    arrays=tuple(map(to_device, (request, *rest))),
+    arrays=(tuple(map(to_device, xs)), to_device(np.int32(request.shape[0]))),
     capacities=clip_capacities(plan, capacities),
-    static=dict(num_keys=plan.num_kept),
+    static=dict(num_keys=frame.padded(plan.num_kept, bucketed)),
     context=(plan, request),
   )
 
@@ -525,9 +562,8 @@ def _belady_engine_points(prepared: Prepared, capacities, outputs):
   seen = int(_nodes_seen(plan)[warm - 1]) if warm > 0 else 0
   clipped = prepared.capacities
   filled = (clipped > 0) & (clipped <= seen)
-  return chunk_points(
-    plan, "belady_leaf", capacities, request, np.asarray(hits).T, filled
-  )
+  hits = np.asarray(hits)[: request.shape[0]].T
+  return chunk_points(plan, "belady_leaf", capacities, request, hits, filled)
 
 
 LRU_ENGINE = ReplayEngine(
