@@ -16,6 +16,7 @@ padding: ``prefixjax replay --limit 300`` then ``--limit 310`` compiled
 from __future__ import annotations
 
 import dataclasses
+import doctest
 import json
 import logging
 import pathlib
@@ -405,3 +406,70 @@ def test_a_new_process_reuses_the_persistent_cache(rng, tmp_path):
     entries.append(sorted(p.name for p in cache.iterdir()))
   assert len(entries[0]) >= 5  # fifo, lru_leaf, belady_leaf, vllm, sglang
   assert entries[1] == entries[0]
+
+
+# ---------------------------------------------------------------------------
+# ReplayResult.frame().
+
+
+def test_frame_docstring_example_runs():
+  result = doctest.testmod(frame, optionflags=doctest.ELLIPSIS)
+  assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("semantics", rp.SEMANTICS)
+def test_frame_is_the_points(semantics, rng):
+  block_size = 4
+  trace = _trace(rng, int(rng.integers(10, 40)), block_size)
+  low = _held(trace, block_size)
+  capacities = [low + 4, low, 3 * low]
+  policy = "belady_leaf" if semantics == "kvcache-sim" else None
+  result = rp.replay(
+    trace,
+    semantics=semantics,
+    policy=policy,
+    capacities=capacities,
+    warmup_fraction=0.25,
+  )
+  df = result.frame()
+  base = ["semantics", "engine", "trace", "warmup_fraction"]
+  vllm = ["publish", "vllm_version"] if semantics == "vllm" else []
+  metrics = [
+    "policy",
+    "capacity_blocks",
+    "block_size",
+    "hit_tokens",
+    "total_tokens",
+    "hit_rate",
+    "measured_requests",
+    "underfilled",
+  ]
+  assert list(df.columns) == base + vllm + metrics
+  assert len(df) == len(result)
+  for row, point, engine in zip(
+    df.to_dict("records"), result, result.engines, strict=True
+  ):
+    assert row["semantics"] == semantics
+    assert row["engine"] == engine
+    assert row["trace"] == "buckets"
+    assert row["warmup_fraction"] == 0.25
+    for column in metrics:
+      assert row[column] == getattr(point, column), column
+  assert df["capacity_blocks"].tolist() == capacities
+  if semantics == "vllm":
+    assert set(df["publish"]) == {"early"}
+    assert set(df["vllm_version"]) == {"0.33"}
+
+
+def test_frame_of_a_plan_and_of_a_bare_result():
+  plan = rp.prepare_replay(
+    [[1, 2], [1, 2, 3], [1, 4]], [20, 30, 17], block_size=10
+  )
+  df = rp.replay(plan, policy="fifo", capacities=[3, 8]).frame()
+  assert df["trace"].isna().all() and df["warmup_fraction"].isna().all()
+  assert df["engine"].tolist() == ["kvcache_sim.chunked"] * 2
+  bare = rp.ReplayResult(tuple(rp.replay(plan, policy="fifo", capacities=[3])))
+  df = bare.frame()
+  assert df["semantics"].isna().all() and df["engine"].isna().all()
+  assert df["hit_tokens"].tolist() == [bare[0].hit_tokens]
+  assert len(rp.ReplayResult(()).frame()) == 0

@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Sequence
 from typing import Any
@@ -229,11 +230,58 @@ def replay(
       kvcache-sim engines serve every capacity in one program already.
 
   Returns:
-    A :class:`ReplayResult`, its points in the order of ``capacities``.
+    A :class:`ReplayResult`, its points in the order of ``capacities``;
+    its :meth:`~ReplayResult.frame` is a :class:`pandas.DataFrame` of them
+    with the call's parameters (``trace``: the trace's name, ``None`` for
+    a plan; ``warmup_fraction``, ``None`` for a plan, which carries its
+    own window; vllm: ``publish`` and ``vllm_version``).
 
   Raises:
     ValueError / TypeError: a bad argument, named with its value.
   """
+  result = _replay(
+    source,
+    policy=policy,
+    capacities=capacities,
+    semantics=semantics,
+    engine=engine,
+    block_size=block_size,
+    warmup_fraction=warmup_fraction,
+    publish=publish,
+    vllm_version=vllm_version,
+    width=width,
+    keys_per_step=keys_per_step,
+    devices=devices,
+  )
+  is_trace = isinstance(source, Trace)
+  parameters = {
+    "trace": source.name if is_trace else None,
+    "warmup_fraction": float(warmup_fraction) if is_trace else None,
+  }
+  if semantics == "vllm":
+    from prefixjax.cache.prefix_state import DEFAULT_VLLM_VERSION
+
+    parameters["publish"] = publish
+    parameters["vllm_version"] = vllm_version or DEFAULT_VLLM_VERSION
+  return dataclasses.replace(result, parameters=tuple(parameters.items()))
+
+
+def _replay(
+  source,
+  *,
+  policy,
+  capacities,
+  semantics,
+  engine,
+  block_size,
+  warmup_fraction,
+  publish,
+  vllm_version,
+  width,
+  keys_per_step,
+  devices,
+) -> ReplayResult:
+  """:func:`replay` less the parameters it records."""
   if semantics not in SEMANTICS:
     raise ValueError(f"semantics={semantics!r} is not one of {SEMANTICS}")
   if engine not in ENGINE_CHOICES:

@@ -129,6 +129,18 @@ class Timing:
     return Timing(self.compile_s + other.compile_s, self.run_s + other.run_s)
 
 
+_POINT_COLUMNS = (
+  "policy",
+  "capacity_blocks",
+  "block_size",
+  "hit_tokens",
+  "total_tokens",
+  "hit_rate",
+  "measured_requests",
+  "underfilled",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class ReplayResult(Sequence):
   """The points of one replay call, in the order of its capacities, and
@@ -138,11 +150,15 @@ class ReplayResult(Sequence):
     points: one per requested capacity.
     timing: compile and run time of the engines that produced them.
     engines: the engine of each point (by name).
+    parameters: ``(name, value)`` pairs of the call's arguments that hold
+      for every point (:func:`prefixjax.replay.replay` records the trace,
+      the warm-up fraction and the vLLM rules; empty when unknown).
   """
 
   points: tuple[ReplayPoint, ...]
   timing: Timing = Timing()
   engines: tuple[str, ...] = ()
+  parameters: tuple[tuple[str, Any], ...] = ()
 
   def __len__(self) -> int:
     return len(self.points)
@@ -152,6 +168,49 @@ class ReplayResult(Sequence):
 
   def __iter__(self) -> Iterator[ReplayPoint]:
     return iter(self.points)
+
+  def frame(self):
+    """The points as a tidy :class:`pandas.DataFrame`, one row per point
+    in the order of the capacities.
+
+    Columns: ``semantics`` and ``engine`` (from :attr:`engines`), the
+    call's :attr:`parameters` (``trace``, ``warmup_fraction``, ...), then
+    each :class:`ReplayPoint`'s ``policy``, ``capacity_blocks``,
+    ``block_size``, ``hit_tokens``, ``total_tokens``, ``hit_rate``,
+    ``measured_requests`` and ``underfilled``. Per-request hits stay on
+    the points (``per_request_hit_tokens``), the call's cost on
+    :attr:`timing`.
+
+    Example:
+      >>> from prefixjax import replay as rp
+      >>> from prefixjax.workloads import generate_workload
+      >>> trace = generate_workload("multi_turn", num_requests=40, seed=0)
+      >>> df = rp.replay(trace, policy="lru_leaf", capacities=[8, 64]).frame()
+      >>> df[["policy", "capacity_blocks", "hit_tokens"]].shape
+      (2, 3)
+      >>> df["semantics"].tolist(), df["capacity_blocks"].tolist()
+      (['kvcache-sim', 'kvcache-sim'], [8, 64])
+      >>> bool((df["hit_rate"] == df["hit_tokens"] / df["total_tokens"]).all())
+      True
+    """
+    import pandas as pd
+
+    # The registry imports this module: imported here, when first needed.
+    from prefixjax.replay import get_engine
+
+    engines = self.engines or (None,) * len(self.points)
+    shared = dict(self.parameters)
+    rows = []
+    for point, name in zip(self.points, engines, strict=True):
+      row = {
+        "semantics": get_engine(name).semantics if name else None,
+        "engine": name,
+        **shared,
+      }
+      row.update((c, getattr(point, c)) for c in _POINT_COLUMNS)
+      rows.append(row)
+    columns = ["semantics", "engine", *shared, *_POINT_COLUMNS]
+    return pd.DataFrame(rows, columns=columns)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -679,8 +679,8 @@ def _num_keys(policy, num_events):
   """Leaf keys: event indices below ``E``; ``belady_leaf`` adds a
   never-used range ``E .. 2 E - 1``. No slack on top: a padded ``E`` is a
   power of two, and one key more would add a bitmap level at every power
-  of 32 (2**20 + 2 keys take 5 levels, 2**20 take 4; the first 1.8x the
-  run time of the Mooncake trace's ``belady_leaf`` points)."""
+  of 32 (2**20 + 2 keys take 5 levels, 2**20 take 4), a word read more on
+  every search and update."""
   return num_events if policy == "lru_leaf" else 2 * num_events
 
 
