@@ -225,6 +225,15 @@ def _add_replay(subparsers) -> None:
     "reused first; 0.22 for the older order)",
   )
   p.add_argument(
+    "--waiting-refresh-interval",
+    type=_refresh_interval,
+    default=32,
+    metavar="N",
+    help="sglang semantics: SGLang's waiting-prefix refresh, every N-th "
+    "priority computation touches the request's prompt (default 32, "
+    "SGLang 0.5.23's; 'off' as SGLANG_ENABLE_WAITING_PREFIX_REFRESH=0)",
+  )
+  p.add_argument(
     "--warmup-fraction",
     type=_fraction,
     default=0.5,
@@ -320,6 +329,11 @@ def _check_replay_args(args) -> None:
         f"--model {args.model}: unknown; use one of "
         f"{', '.join(sorted(configs.MODELS))}"
       )
+  if args.waiting_refresh_interval != 32 and args.semantics != "sglang":
+    raise CliError(
+      "--waiting-refresh-interval is an sglang-semantics rule; "
+      f"--semantics {args.semantics} has none"
+    )
   if args.publish != "early" and args.semantics != "vllm":
     raise CliError(
       f"--publish {args.publish} is a vllm-semantics rule; "
@@ -456,7 +470,12 @@ def _replay_serving(args, trace, load_s) -> int:
     )
   rules = {
     "vllm": f"vLLM {args.vllm_version or DEFAULT_VLLM_VERSION}",
-    "sglang": "SGLang 0.5.23 RadixCache",
+    "sglang": "SGLang 0.5.23 RadixCache, waiting-prefix refresh "
+    + (
+      "off"
+      if args.waiting_refresh_interval is None
+      else f"every {args.waiting_refresh_interval}"
+    ),
   }[args.semantics]
   print(
     f"prefixjax replay: {trace.name} ({len(trace):,} requests, {source}), "
@@ -479,6 +498,7 @@ def _replay_serving(args, trace, load_s) -> int:
       warmup_fraction=args.warmup_fraction,
       publish=args.publish,
       vllm_version=args.vllm_version,
+      waiting_refresh_interval=args.waiting_refresh_interval,
     )
     timing, points = timing + result.timing, points + list(result)
   ceiling, spent = _serving_ceiling(args, trace, block_size, points[0])
@@ -502,6 +522,7 @@ def _serving_ceiling(args, trace, block_size, like):
     warmup_fraction=args.warmup_fraction,
     publish=args.publish,
     vllm_version=args.vllm_version,
+    waiting_refresh_interval=args.waiting_refresh_interval,
   )
   (point,) = result
   warm = len(trace) - like.measured_requests
@@ -609,6 +630,20 @@ def _replay_table(rows: list[dict]) -> str:
       f"{r['hit_rate']:>8.2%} {r['mode']:>11}"
     )
   return "\n".join(lines)
+
+
+def _refresh_interval(text: str) -> int | None:
+  if text == "off":
+    return None
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+      f"{text!r} is not a positive integer or 'off'"
+    ) from None
+  if not 1 <= value < 2**31:
+    raise argparse.ArgumentTypeError(f"{value} must be >= 1 (or 'off')")
+  return value
 
 
 def _positive_float(text: str) -> float:

@@ -12,6 +12,7 @@ import pytest
 from reference_models import sglang_radix
 
 from prefixjax import cli, demo, generate_workload, replay
+from prefixjax.workloads import load_trace as pj_load
 
 
 @pytest.mark.parametrize("block_size", [8, 16])
@@ -509,3 +510,56 @@ def test_cli_replay_model_puts_capacities_in_gib(tmp_path, capsys, rng):
     assert row["capacity_gib"] == pytest.approx(want, rel=1e-12)
   assert cli.main(["replay", "--model", "gpt5"]) == 2
   assert "--model gpt5: unknown" in capsys.readouterr().err
+
+
+def test_cli_replay_sglang_waiting_refresh_flag(tmp_path, capsys, rng):
+  """``--waiting-refresh-interval N|off`` reaches SGLang's replay (each
+  point equals ``replay()`` given the same interval) and is refused under
+  other semantics before any work."""
+  trace = generate_workload(
+    "multi_turn", num_requests=24, seed=int(rng.integers(2**31))
+  )
+  path = tmp_path / "t.jsonl"
+  path.write_text(
+    "".join(
+      json.dumps(
+        dict(
+          input_tok_ids=trace.input_token_ids[i].tolist(),
+          output_toks=int(trace.output_lengths[i]),
+          arrival_time_ns=i,
+        )
+      )
+      + "\n"
+      for i in range(len(trace))
+    )
+  )
+  loaded = pj_load(path)
+  k = 16
+  fits = -(-int(loaded.kv_tokens.max()) // k)
+  capacity = int(rng.integers(fits + 1, 4 * fits))
+  for flag in ("off", str(int(rng.integers(1, 5)))):
+    interval = None if flag == "off" else int(flag)
+    out = tmp_path / f"{flag}.json"
+    argv = ["replay", "--trace", str(path), "--semantics", "sglang"]
+    argv += ["--block-size", str(k), "--capacity", str(capacity)]
+    argv += ["--waiting-refresh-interval", flag, "--json", str(out)]
+    assert cli.main(argv) == 0
+    assert f"refresh {'off' if interval is None else 'every'}" in (
+      capsys.readouterr().out
+    )
+    (want,) = replay.replay(
+      loaded,
+      semantics="sglang",
+      block_size=k,
+      capacities=[capacity],
+      waiting_refresh_interval=interval,
+    )
+    (got,) = json.loads(out.read_text())["points"]
+    assert got["hit_tokens"] == want.hit_tokens
+  argv = ["replay", "--waiting-refresh-interval", "off"]
+  assert cli.main(argv) == 2
+  assert "sglang-semantics rule" in capsys.readouterr().err
+  with pytest.raises(SystemExit) as exit_:
+    cli.main(["replay", "--waiting-refresh-interval", "0"])
+  assert exit_.value.code == 2
+  assert "0 must be >= 1" in capsys.readouterr().err

@@ -196,6 +196,7 @@ def replay(
   warmup_fraction: float = 0.5,
   publish: str = "early",
   vllm_version: str | None = None,
+  waiting_refresh_interval: int | None = 32,
   width: int | None = None,
   keys_per_step: int | None = None,
   devices: Sequence[Any] | None = None,
@@ -221,6 +222,11 @@ def replay(
       (default the current one, 0.33: freed blocks without a hash go to
       the head of the free queue; ``"0.22"`` for the older tail order; see
       :func:`prefixjax.cache.prefix_state.vllm_free_order`).
+    waiting_refresh_interval: sglang semantics, SGLang's waiting-prefix
+      refresh (``SGLANG_ENABLE_WAITING_PREFIX_REFRESH``, on by default in
+      0.5.23): every ``n``-th priority computation touches the request's
+      whole prompt; 32 as SGLang, ``None`` off (see
+      :func:`prefixjax.replay.sglang.replay_sglang`).
     width: blocks per scan step of the chunked and stack engines.
     keys_per_step: next-use keys per scan step of the ``belady_leaf`` keys
       engine.
@@ -234,7 +240,8 @@ def replay(
     its :meth:`~ReplayResult.frame` is a :class:`pandas.DataFrame` of them
     with the call's parameters (``trace``: the trace's name, ``None`` for
     a plan; ``warmup_fraction``, ``None`` for a plan, which carries its
-    own window; vllm: ``publish`` and ``vllm_version``).
+    own window; vllm: ``publish`` and ``vllm_version``; sglang:
+    ``waiting_refresh_interval``).
 
   Raises:
     ValueError / TypeError: a bad argument, named with its value.
@@ -249,6 +256,7 @@ def replay(
     warmup_fraction=warmup_fraction,
     publish=publish,
     vllm_version=vllm_version,
+    waiting_refresh_interval=waiting_refresh_interval,
     width=width,
     keys_per_step=keys_per_step,
     devices=devices,
@@ -263,6 +271,8 @@ def replay(
 
     parameters["publish"] = publish
     parameters["vllm_version"] = vllm_version or DEFAULT_VLLM_VERSION
+  if semantics == "sglang":
+    parameters["waiting_refresh_interval"] = waiting_refresh_interval
   return dataclasses.replace(result, parameters=tuple(parameters.items()))
 
 
@@ -277,6 +287,7 @@ def _replay(
   warmup_fraction,
   publish,
   vllm_version,
+  waiting_refresh_interval,
   width,
   keys_per_step,
   devices,
@@ -295,6 +306,11 @@ def _replay(
     raise ValueError(
       f"vllm_version={vllm_version!r} is a vllm-semantics rule; "
       f"semantics={semantics!r} has none"
+    )
+  if waiting_refresh_interval != 32 and semantics != "sglang":
+    raise ValueError(
+      f"waiting_refresh_interval={waiting_refresh_interval!r} is an "
+      f"sglang-semantics rule; semantics={semantics!r} has none"
     )
   if semantics != "kvcache-sim":
     if engine != "auto":
@@ -324,6 +340,7 @@ def _replay(
       block_size=block_size,
       capacities=capacities,
       warmup_fraction=warmup_fraction,
+      waiting_refresh_interval=waiting_refresh_interval,
       devices=devices,
     )
   if isinstance(source, Trace):
