@@ -38,6 +38,7 @@ from prefixjax.cache.prefix_state import (
 )
 
 __all__ = [
+  "evict_block",
   "evict_popped",
   "link_parents",
   "promote_victims",
@@ -91,8 +92,9 @@ def refresh_tree(state: PrefixCacheState, blocks: jax.Array, lanes):
   return state
 
 
-def _evict_one(state: PrefixCacheState, block, ok):
-  """Drops ``block``'s identity if it has one (``ok`` masks the call)."""
+def evict_block(state: PrefixCacheState, block, ok):
+  """Drops ``block``'s identity if it has one (``ok`` masks the call);
+  ``(state, 1 if it had one else 0)``."""
   nxt = gather(state.dup_next, block[None], NO_BLOCK)[0]
   prv = gather(state.dup_prev, block[None], NO_BLOCK)[0]
   key = state.block_hash.at[jnp.clip(block, 0, state.num_blocks - 1)].get()
@@ -199,7 +201,7 @@ def promote_victims(state: PrefixCacheState, need, ok):
       )
     victim = settle(state, victim)[0]
     found = victim != NO_BLOCK
-    state, _ = _evict_one(state, victim, found)
+    state, _ = evict_block(state, victim, found)
     pstate = paging.unlink_free(state.paging, victim, found)
     return i + 1, state.replace(paging=pstate), victims.at[i].set(victim)
 
@@ -218,7 +220,7 @@ def evict_popped(state: PrefixCacheState, blocks: jax.Array, count):
 
   def body(c):
     i, state, n = c
-    state, one = _evict_one(state, blocks[i], jnp.bool_(True))
+    state, one = evict_block(state, blocks[i], jnp.bool_(True))
     return i + 1, state, n + one
 
   _, state, n = jax.lax.while_loop(

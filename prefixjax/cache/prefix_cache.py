@@ -102,6 +102,7 @@ from prefixjax.cache import index as index_lib
 from prefixjax.cache import paging
 from prefixjax.cache import policies as policies_lib
 from prefixjax.cache.eviction import (
+  evict_block,
   evict_popped,
   link_parents,
   promote_victims,
@@ -138,6 +139,7 @@ __all__ = [
   "PublishResult",
   "allocate_with_prefix",
   "append",
+  "append_block",
   "check_invariants",
   "copy_on_write",
   "fork",
@@ -146,6 +148,8 @@ __all__ = [
   "match",
   "num_pinned",
   "publish",
+  "publish_block",
+  "queue_order",
   "release",
   "stats_dict",
   "vllm_free_order",
@@ -369,6 +373,96 @@ def append(state, seq_id, num_new_tokens):
   return state, r
 
 
+def queue_order(state: PrefixCacheState) -> bool:
+  """Static: whether the cache's policy is ``lru`` (victims in free-queue
+  order, no metadata, no hooks), the policy :func:`append_block` and
+  :func:`publish_block` serve."""
+  return state.policy == policies_lib.lru()
+
+
+def append_block(state, seq_id):
+  """:func:`append` of one token to ``seq_id`` whose last block is full.
+
+  The token starts block column ``num_tokens // K``: the free queue's head
+  becomes that block (losing any identity it carries) and nothing is
+  copied (the full last block is never written). The state and status are
+  those of ``append(state, seq_id, 1)`` for such a sequence, in ``O(1)``
+  lanes instead of ``O(M)``: a decode step's block crossing. Traceable
+  (not jitted), ``lru`` caches only (:func:`queue_order`).
+
+  Returns:
+    ``(new_state, status)``; ``BAD_COUNT`` (nothing changed) when the last
+    block is partly filled.
+  """
+  if not queue_order(state):
+    raise ValueError(f"append_block serves lru caches, not {state.policy}")
+  k, m = state.block_size, state.max_blocks_per_seq
+  pstate = state.paging
+  tokens = gather(pstate.num_tokens, seq_id[None])[0]
+  col = tokens // k
+  block = pstate.free_head
+  nxt = gather(pstate.free_next, block[None], NO_BLOCK)[0]
+  status = paging.first_error(
+    *_seq_checks(state, seq_id, want_active=True),
+    (tokens % k != 0, Status.BAD_COUNT),
+    (col >= m, Status.TABLE_OVERFLOW),
+    (pstate.num_free < 1, Status.OUT_OF_BLOCKS),
+  )
+  status, tokens, nxt = settle(state, status, tokens, nxt)
+  ok = status == Status.OK
+  # pop_free of one block, then the table's new column.
+  pstate = pstate.replace(
+    free_next=scatter(pstate.free_next, block[None], NO_BLOCK, ok),
+    free_prev=scatter(pstate.free_prev, jnp.stack([block, nxt]), NO_BLOCK, ok),
+    refcounts=scatter(pstate.refcounts, block[None], 1, ok),
+    published=scatter(pstate.published, block[None], False, ok),
+    free_head=jnp.where(ok, nxt, block),
+    free_tail=jnp.where(ok & (nxt == NO_BLOCK), NO_BLOCK, pstate.free_tail),
+    num_free=pstate.num_free - ok.astype(jnp.int32),
+    block_tables=pstate.block_tables.at[
+      jnp.where(ok, seq_id, pstate.max_seqs), col
+    ].set(block, mode="drop"),
+    num_tokens=scatter(pstate.num_tokens, seq_id[None], tokens + 1, ok),
+  )
+  state, _ = evict_block(state.replace(paging=pstate), block, ok)
+  return state, status
+
+
+def publish_block(state, seq_id, col, block_key):
+  """:func:`publish` of the block at column ``col`` of ``seq_id`` alone.
+
+  Gives that block (full: the sequence holds at least ``(col + 1) * K``
+  tokens) its key ``block_key`` ``[2]`` (content, as a row of
+  :func:`publish`'s keys) unless it is published. The same as ``publish(
+  state, seq_id, keys, (col + 1) * K)`` when every earlier column is
+  published (a decode step filling a block, when the index never refused
+  a key), in ``O(1)`` lanes. Traceable (not jitted), ``lru`` caches only.
+
+  Returns:
+    ``(new_state, PublishResult)``; ``BAD_COUNT`` (nothing published) when
+    the block at ``col`` is not full.
+  """
+  if not queue_order(state):
+    raise ValueError(f"publish_block serves lru caches, not {state.policy}")
+  k, m = state.block_size, state.max_blocks_per_seq
+  pstate = state.paging
+  version = gather(state.seq_version, seq_id[None], 0)[0]
+  key = versioned(state, block_key[None], version)[0]
+  held = gather(pstate.num_tokens, seq_id[None])[0]
+  status = paging.first_error(
+    *_seq_checks(state, seq_id, want_active=True),
+    ((col < 0) | (col >= m) | ((col + 1) * k > held), Status.BAD_COUNT),
+  )
+  row = get_row(pstate.block_tables, seq_id)
+  block = gather(row, col[None], NULL_BLOCK)[0]
+  status, block = settle(state, status, block)
+  ok = status == Status.OK
+  state, got, dropped = _publish_at(state, block, key, ok)
+  return state, PublishResult(
+    status, got.astype(jnp.int32), dropped.astype(jnp.int32)
+  )
+
+
 @jax.jit
 def copy_on_write(state, seq_id):
   """:func:`prefixjax.cache.paging.copy_on_write` with identity eviction.
@@ -403,6 +497,55 @@ def fork(state, parent_id, child_id):
     state.seq_version, child_id[None], parent_version, status == Status.OK
   )
   return state.replace(paging=pstate, seq_version=seq_version), status
+
+
+def _publish_at(state: PrefixCacheState, block, key, ok):
+  """Gives ``block`` the versioned ``key`` unless it is published (or not
+  ``ok``); ``(state, got, dropped)``: one step of :func:`publish`."""
+  skip = ~ok | gather(state.paging.published, block[None], False)[0]
+  skip = settle(state, skip)[0]
+  idx, r = index_lib.insert(state.index, key, block, ~skip)
+  inserted = r.status == index_lib.IndexStatus.OK
+  present = r.status == index_lib.IndexStatus.PRESENT
+  dropped = r.status == index_lib.IndexStatus.PROBE_LIMIT
+  head = r.value
+  tail = gather(state.dup_prev, head[None], NO_BLOCK)[0]
+  tail = settle(state, tail)[0]
+  # Append to the key's circular list (present) or start one (inserted).
+  dup_next = scatter(
+    state.dup_next,
+    jnp.stack([tail, block]),
+    jnp.stack([block, head]),
+    present,
+  )
+  dup_prev = scatter(
+    state.dup_prev,
+    jnp.stack([block, head]),
+    jnp.stack([tail, block]),
+    present,
+  )
+  dup_next = scatter(dup_next, block[None], block, inserted)
+  dup_prev = scatter(dup_prev, block[None], block, inserted)
+  got = inserted | present
+  block_hash = state.block_hash.at[jnp.where(got, block, state.num_blocks)].set(
+    key, mode="drop"
+  )
+  pst = state.paging.replace(
+    published=scatter(state.paging.published, block[None], True, got)
+  )
+  stats = state.stats.replace(
+    num_cached=state.stats.num_cached + got.astype(jnp.int32)
+  )
+  stats = add_stats(stats, publish_dropped=dropped.astype(jnp.int32))
+  state = state.replace(
+    paging=pst,
+    index=idx,
+    block_hash=block_hash,
+    dup_next=dup_next,
+    dup_prev=dup_prev,
+    stats=stats,
+  )
+  return state, got, dropped
 
 
 @jax.jit
@@ -456,54 +599,11 @@ def publish(state, seq_id, block_keys, num_tokens, next_use=None):
 
   def body(c):
     i, state, n_pub, n_drop, fresh = c
-    block = row[i]
-    key = vkeys[i]
-    skip = gather(state.paging.published, block[None], False)[0]
-    skip = settle(state, skip)[0]
-    idx, r = index_lib.insert(state.index, key, block, ~skip)
-    inserted = r.status == index_lib.IndexStatus.OK
-    present = r.status == index_lib.IndexStatus.PRESENT
-    dropped = r.status == index_lib.IndexStatus.PROBE_LIMIT
-    head = r.value
-    tail = gather(state.dup_prev, head[None], NO_BLOCK)[0]
-    tail = settle(state, tail)[0]
-    # Append to the key's circular list (present) or start one (inserted).
-    dup_next = scatter(
-      state.dup_next,
-      jnp.stack([tail, block]),
-      jnp.stack([block, head]),
-      present,
-    )
-    dup_prev = scatter(
-      state.dup_prev,
-      jnp.stack([block, head]),
-      jnp.stack([tail, block]),
-      present,
-    )
-    dup_next = scatter(dup_next, block[None], block, inserted)
-    dup_prev = scatter(dup_prev, block[None], block, inserted)
-    got = inserted | present
-    block_hash = state.block_hash.at[
-      jnp.where(got, block, state.num_blocks)
-    ].set(key, mode="drop")
-    pst = state.paging.replace(
-      published=scatter(state.paging.published, block[None], True, got)
-    )
-    one = got.astype(jnp.int32)
-    stats = state.stats.replace(num_cached=state.stats.num_cached + one)
-    stats = add_stats(stats, publish_dropped=dropped.astype(jnp.int32))
-    state = state.replace(
-      paging=pst,
-      index=idx,
-      block_hash=block_hash,
-      dup_next=dup_next,
-      dup_prev=dup_prev,
-      stats=stats,
-    )
+    state, got, dropped = _publish_at(state, row[i], vkeys[i], jnp.bool_(True))
     return (
       i + 1,
       state,
-      n_pub + one,
+      n_pub + got.astype(jnp.int32),
       n_drop + dropped.astype(jnp.int32),
       fresh.at[i].set(got),
     )

@@ -90,6 +90,7 @@ from prefixjax.cache import Status
 from prefixjax.cache import prefix_cache as pc
 from prefixjax.serving import schedulers as sch
 from prefixjax.serving.engine_ops import (
+  OK,
   append_tokens,
   at,
   cap,
@@ -299,6 +300,9 @@ def _decode_phase(st, reqs, params, threshold, scheduler):
     & (st.num_running <= params.max_num_batched_tokens)
     & (jnp.sum(starts.astype(jnp.int32)) <= st.cache.paging.num_free)
   )
+  lean = pc.queue_order(st.cache)
+  if lean:  # publish_block's rule: every earlier full block is published
+    enabled = enabled & (st.cache.stats.publish_dropped == 0)
   lanes = running & enabled
   slots = gather(st.slot, rids, 0)
   grow = starts & enabled
@@ -306,6 +310,42 @@ def _decode_phase(st, reqs, params, threshold, scheduler):
   busy = grow | fills
   (order,) = jnp.nonzero(busy, size=s, fill_value=0)
   count = jnp.sum(busy.astype(jnp.int32))
+  cache = st.cache
+  if lean:
+    # The lanes that start no block only count the token; the verbs below
+    # read no other lane's count, so it is set for all of them first.
+    rest = lanes & ~grow
+    counts = scatter(
+      cache.paging.num_tokens, jnp.where(rest, slots, 0), computed + 1, rest
+    )
+    cache = cache.replace(paging=cache.paging.replace(num_tokens=counts))
+
+  def lean_body(c):
+    # A lane starts a block or fills one (both only when K is 1); a
+    # running sequence's partly filled last block is never shared or
+    # published (fork copies it at once), so nothing is copied.
+    j, cache, bad = c
+    lane = order[j]
+    rid, slot = rids[lane], slots[lane]
+    col = computed[lane] // k
+    key = jax.lax.dynamic_slice(reqs.keys, (rid, col, 0), (1, 1, 2))[0, 0]
+
+    def grow_one(cache):
+      return pc.append_block(cache, slot)
+
+    def fill_one(cache):
+      cache, pub = pc.publish_block(cache, slot, col, key)
+      return cache, pub.status
+
+    def skip(cache):
+      return cache, OK
+
+    # Each verb under a cond of its own against the identity: one cond
+    # choosing between the two verbs made XLA copy every pool array that
+    # only one of them writes (2,000 requests: 0.62 s -> 0.77 s).
+    cache, app = jax.lax.cond(grow[lane], grow_one, skip, cache)
+    cache, pub = jax.lax.cond(fills[lane], fill_one, skip, cache)
+    return j + 1, cache, bad | (app != Status.OK) | (pub != Status.OK)
 
   def body(c):
     j, cache, bad = c
@@ -319,13 +359,16 @@ def _decode_phase(st, reqs, params, threshold, scheduler):
     return j + 1, cache, bad
 
   _, cache, bad = jax.lax.while_loop(
-    lambda c: c[0] < count, body, (jnp.int32(0), st.cache, jnp.bool_(False))
+    lambda c: c[0] < count,
+    lean_body if lean else body,
+    (jnp.int32(0), cache, jnp.bool_(False)),
   )
-  quiet = lanes & ~busy
-  counts = scatter(
-    cache.paging.num_tokens, jnp.where(quiet, slots, 0), computed + 1, quiet
-  )
-  cache = cache.replace(paging=cache.paging.replace(num_tokens=counts))
+  if not lean:
+    quiet = lanes & ~busy
+    counts = scatter(
+      cache.paging.num_tokens, jnp.where(quiet, slots, 0), computed + 1, quiet
+    )
+    cache = cache.replace(paging=cache.paging.replace(num_tokens=counts))
   st = st.replace(
     cache=cache,
     num_computed=scatter(st.num_computed, rids, computed + 1, lanes),
