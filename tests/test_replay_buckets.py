@@ -432,8 +432,9 @@ def test_frame_is_the_points(semantics, rng):
     warmup_fraction=0.25,
   )
   df = result.frame()
-  base = ["semantics", "engine", "trace", "warmup_fraction"]
-  vllm = ["publish", "vllm_version"] if semantics == "vllm" else []
+  base = ["semantics", "engine", "trace", "warmup_fraction", "policy_params"]
+  vllm = {"vllm": ["publish", "vllm_version"]}.get(semantics, [])
+  sglang = ["waiting_refresh_interval"] if semantics == "sglang" else []
   metrics = [
     "policy",
     "capacity_blocks",
@@ -444,7 +445,7 @@ def test_frame_is_the_points(semantics, rng):
     "measured_requests",
     "underfilled",
   ]
-  assert list(df.columns) == base + vllm + metrics
+  assert list(df.columns) == base + vllm + sglang + metrics
   assert len(df) == len(result)
   for row, point, engine in zip(
     df.to_dict("records"), result, result.engines, strict=True
@@ -453,6 +454,7 @@ def test_frame_is_the_points(semantics, rng):
     assert row["engine"] == engine
     assert row["trace"] == "buckets"
     assert row["warmup_fraction"] == 0.25
+    assert row["policy_params"] == "{}"
     for column in metrics:
       assert row[column] == getattr(point, column), column
   assert df["capacity_blocks"].tolist() == capacities

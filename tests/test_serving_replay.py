@@ -328,7 +328,12 @@ def test_engine_equals_general_verbs_and_oracle(kind, vllm_version, rng):
     trace, block_size, capacities, free_order=ORDERS[vllm_version]
   )
   general = serving_replay.general_hits(
-    trace, block_size, capacities, publish=publish, vllm_version=vllm_version
+    trace,
+    block_size,
+    capacities,
+    publish=publish,
+    vllm_version=vllm_version,
+    bucketed=bool(rng.integers(2)),
   )
   oracle = _oracle_hits if trace.has_token_ids else _oracle_hits_hashed
   for capacity, a, b in zip(capacities, fast, general, strict=True):
@@ -444,30 +449,35 @@ def test_refuses_unknown_vllm_versions():
     replay_vllm(trace, block_size=2, capacities=[4], vllm_version=0.33)
 
 
-@pytest.mark.parametrize("semantics", ["vllm", "sglang"])
-def test_capacities_sharded_over_devices_equal_one_at_a_time(semantics, rng):
-  """The per-capacity engines vmapped over the capacities, their axis
-  sharded over the suite's 8 faked CPU devices (tests/conftest.py), against
-  the capacities run one after another on one device: every request's
-  hits equal."""
+@pytest.mark.parametrize(
+  ("semantics", "policy"), [("vllm", None), ("sglang", None), ("vllm", "lfu")]
+)
+def test_capacities_sharded_over_devices_equal_one_at_a_time(
+  semantics, policy, rng
+):
+  """The per-capacity engines (``lfu``: the general prefix-cache verbs, at
+  a random decay) vmapped over the capacities, their axis sharded over the
+  suite's 8 faked CPU devices (tests/conftest.py), against the capacities
+  run one after another on one device: every request's hits equal."""
   import jax
 
   from prefixjax.replay import replay
 
   assert len(jax.devices()) == 8
+  general = policy is not None  # vmapped, it runs slowly on CPU: smaller
   trace = generate_workload(
     "system_prompt",
-    num_requests=int(rng.integers(20, 40)),
+    num_requests=int(rng.integers(10, 16) if general else rng.integers(20, 40)),
     seed=int(rng.integers(1 << 30)),
     prompt_len=(64, 256),
     question_len=(8, 64),
     output_len=(4, 32),
   )
   caps = sorted(int(c) for c in rng.choice(np.arange(24, 400), 5, False))
-  one = replay(trace, semantics=semantics, capacities=caps)
-  eight = replay(
-    trace, semantics=semantics, capacities=caps, devices=jax.devices()
-  )
+  params = {"decay": float(rng.uniform(0.3, 1.0))} if general else None
+  kw = dict(semantics=semantics, policy=policy, policy_params=params)
+  one = replay(trace, capacities=caps, **kw)
+  eight = replay(trace, capacities=caps, devices=jax.devices(), **kw)
   assert [p.capacity_blocks for p in eight] == caps
   for a, b in zip(one, eight, strict=True):
     assert a.hit_tokens == b.hit_tokens

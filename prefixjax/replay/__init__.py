@@ -9,7 +9,12 @@ one per capacity, with the compile and run time). Three semantics:
   anchor; the cache holds only cached blocks (policies ``fifo``,
   ``lru_leaf``, ``belady_leaf``; see :mod:`prefixjax.replay.kvcache_sim`).
 * ``"vllm"``: vLLM v1's ``KVCacheManager`` with prefix caching, one request
-  at a time (policy ``lru``; :mod:`prefixjax.replay.vllm`).
+  at a time (:mod:`prefixjax.replay.vllm`): policy ``lru`` (vLLM's own, the
+  default, on a specialised engine) or any other eviction policy the prefix
+  cache runs (:mod:`prefixjax.cache.policies`: ``fifo``, ``lfu(decay=...)``,
+  ``lru_leaf``, ``belady``, ``belady_leaf`` with next-use steps computed
+  from the trace, and user-defined ones), through the general prefix-cache
+  verbs, by name with ``policy_params`` or as an object.
 * ``"sglang"``: SGLang's paged ``RadixCache`` (policy ``lru_leaf``;
   :mod:`prefixjax.replay.sglang`).
 
@@ -27,13 +32,31 @@ Example:
   [[0, 20, 10], [0, 20, 10]]
   >>> result.engines
   ('kvcache_sim.stack', 'kvcache_sim.stack')
+
+A parameterised policy under vLLM semantics:
+
+  >>> import numpy as np
+  >>> from prefixjax.workloads import Trace
+  >>> trace = Trace([0.0, 1.0, 2.0], [9, 5, 9], [1, 1, 1], hash_block_size=4,
+  ...               hash_ids=[np.array([1, 2, 3]), np.array([7, 8]),
+  ...                         np.array([1, 2, 4])])
+  >>> result = rp.replay(trace, semantics="vllm", capacities=[3, 5],
+  ...                    policy="lfu", policy_params={"decay": 0.5},
+  ...                    warmup_fraction=0.0)
+  >>> [p.per_request_hit_tokens.tolist() for p in result]
+  [[0, 0, 4], [0, 0, 8]]
+  >>> result.engines[0], result[0].policy
+  ('vllm.general', 'lfu')
+  >>> dict(result.parameters)["policy_params"]
+  '{"decay": 0.5}'
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prefixjax.cache import policies
@@ -46,6 +69,7 @@ from prefixjax.replay.frame import (
   Timing,
   check_capacities,
   execute,
+  resolve_policy,
 )
 from prefixjax.replay.kvcache_sim import KVCACHE_SIM_POLICY_NAMES
 from prefixjax.replay.kvcache_sim import POLICIES as REPLAY_POLICIES
@@ -77,13 +101,16 @@ __all__ = [
   "prepare_replay",
   "replay",
   "replay_ceiling",
+  "resolve_policy",
+  "served_policies",
 ]
 
 SEMANTICS = ("kvcache-sim", "vllm", "sglang")
 """Replay semantics (see the module docstring)."""
 
 SEMANTICS_POLICY = {"vllm": "lru", "sglang": "lru_leaf"}
-"""The one policy of each serving semantics."""
+"""The default policy of each serving semantics (SGLang's is its only one;
+see :func:`served_policies`)."""
 
 ENGINES = {
   "kvcache_sim.event": "prefixjax.replay.kvcache_sim.event:ENGINE",
@@ -91,6 +118,7 @@ ENGINES = {
   "kvcache_sim.stack": "prefixjax.replay.kvcache_sim.stack:LRU_ENGINE",
   "kvcache_sim.keys": "prefixjax.replay.kvcache_sim.stack:BELADY_ENGINE",
   "vllm": "prefixjax.replay.vllm_engine:ENGINE",
+  "vllm.general": "prefixjax.replay.vllm:GENERAL_ENGINE",
   "sglang": "prefixjax.replay.sglang:ENGINE",
 }
 """Every replay engine by name, as ``module:attribute`` (see
@@ -122,29 +150,51 @@ def default_block_size(trace: Trace, block_size: int | None) -> int:
   return 16
 
 
-def _policy_name(policy, semantics: str) -> str:
-  """A policy given by name or as an :class:`EvictionPolicy`, by name."""
-  served = (
-    REPLAY_POLICIES
-    if semantics == "kvcache-sim"
-    else (SEMANTICS_POLICY[semantics],)
-  )
-  if isinstance(policy, policies.EvictionPolicy):
-    for name in served:
-      if policies.get_policy(name) is policy:
-        return name
+def served_policies(semantics: str) -> tuple[str, ...]:
+  """The policy names a semantics replays.
+
+  ``kvcache-sim``: :data:`REPLAY_POLICIES`; ``vllm``: every registered
+  policy (:func:`prefixjax.cache.policies.policy_names`, user-registered
+  ones included, with any parameters); ``sglang``: ``lru_leaf``. Only
+  ``vllm`` takes ``policy_params``: the other engines run their policies
+  with default parameters.
+
+  Example:
+    >>> from prefixjax import replay as rp
+    >>> rp.served_policies("sglang"), "lfu" in rp.served_policies("vllm")
+    (('lru_leaf',), True)
+  """
+  if semantics not in SEMANTICS:
+    raise ValueError(f"semantics={semantics!r} is not one of {SEMANTICS}")
+  if semantics == "kvcache-sim":
+    return tuple(REPLAY_POLICIES)
+  if semantics == "vllm":
+    return policies.policy_names()
+  return (SEMANTICS_POLICY[semantics],)
+
+
+def _policy_of(policy, policy_params, semantics: str):
+  """``(name, params, policy)`` (:func:`resolve_policy`) of a policy the
+  semantics serves; ``ValueError`` naming the rule otherwise."""
+  name, params, built = resolve_policy(policy, policy_params)
+  served = served_policies(semantics)
+  # vllm replays any policy object, named or not.
+  if name not in served and semantics != "vllm":
+    if isinstance(policy, policies.EvictionPolicy):
+      shown = "this EvictionPolicy" + ("" if name == "custom" else f" ({name})")
+    else:
+      shown = f"policy={policy!r}"
     raise ValueError(
-      f"{semantics} replay serves the policies {served}; this "
-      "EvictionPolicy is none of them"
+      f"{shown} is not one of {served} (the {semantics} semantics' "
+      "policies); semantics='vllm' replays every prefix-cache policy"
     )
-  if policy not in served:
-    known = policy in policies.policy_names()
+  if semantics != "vllm" and built is not policies.get_policy(name):
     raise ValueError(
-      f"policy={policy!r} is not one of {served} (the {semantics} "
-      f"semantics' policies)"
-      + ("; it is a prefix-cache policy with no replay engine" if known else "")
+      f"policy_params={params!r}: the {semantics} replay engines run "
+      f"{name} with its default parameters only; semantics='vllm' "
+      "replays parameterised policies"
     )
-  return policy
+  return name, params, built
 
 
 def _kvcache_sim_pieces(plan, policy, capacities, choice):
@@ -189,6 +239,7 @@ def replay(
   source: Trace | ReplayPlan,
   *,
   policy=None,
+  policy_params: Mapping[str, Any] | None = None,
   capacities: Sequence[int],
   semantics: str = "kvcache-sim",
   engine: str = "auto",
@@ -208,8 +259,16 @@ def replay(
       semantics) a :class:`ReplayPlan` from :func:`prepare_replay` /
       :func:`plan_trace`.
     policy: a name or an :class:`~prefixjax.cache.policies.EvictionPolicy`
-      the semantics serves (kvcache-sim: one of :data:`REPLAY_POLICIES`;
-      vllm: ``lru``, sglang: ``lru_leaf``, the default for those two).
+      the semantics serves (:func:`served_policies`; kvcache-sim: one of
+      :data:`REPLAY_POLICIES`; vllm: ``lru``, its default, on the
+      specialised engine, or any other prefix-cache policy through the
+      general verbs, :data:`prefixjax.replay.vllm.GENERAL_ENGINE`, which
+      needs ``vllm_version`` 0.23 or later; sglang: ``lru_leaf``, its
+      default). ``belady`` and ``belady_leaf`` under vllm get their
+      next-use steps from the trace.
+    policy_params: keyword parameters of a named policy's factory
+      (:func:`resolve_policy`; ``lfu``: ``decay``); only the vllm semantics
+      runs policies with parameters other than their defaults.
     capacities: cache sizes in blocks.
     semantics: one of :data:`SEMANTICS`.
     engine: one of :data:`ENGINE_CHOICES` (kvcache-sim; the serving
@@ -240,15 +299,29 @@ def replay(
     its :meth:`~ReplayResult.frame` is a :class:`pandas.DataFrame` of them
     with the call's parameters (``trace``: the trace's name, ``None`` for
     a plan; ``warmup_fraction``, ``None`` for a plan, which carries its
-    own window; vllm: ``publish`` and ``vllm_version``; sglang:
-    ``waiting_refresh_interval``).
+    own window; ``policy_params``: the parameters as JSON text with sorted
+    keys, ``"{}"`` for a policy's defaults, ``None`` for a policy given as
+    an object that is no registered name's default (its points' ``policy``
+    is then ``"custom"``); vllm: ``publish`` and ``vllm_version``; sglang:
+    ``waiting_refresh_interval``). Points of one policy with different
+    parameters kept in the policy's state (``lfu``'s ``decay``) share one
+    compiled program.
 
   Raises:
     ValueError / TypeError: a bad argument, named with its value.
   """
+  if semantics not in SEMANTICS:
+    raise ValueError(f"semantics={semantics!r} is not one of {SEMANTICS}")
+  if policy is None and semantics in SEMANTICS_POLICY:
+    policy = SEMANTICS_POLICY[semantics]
+  if policy is None:
+    raise ValueError(f"{semantics} replay needs a policy: {REPLAY_POLICIES}")
+  name, params, built = _policy_of(policy, policy_params, semantics)
   result = _replay(
     source,
-    policy=policy,
+    # A custom object (no name) is passed on as is.
+    policy=built if name == "custom" else name,
+    policy_params=params or None,
     capacities=capacities,
     semantics=semantics,
     engine=engine,
@@ -265,6 +338,7 @@ def replay(
   parameters = {
     "trace": source.name if is_trace else None,
     "warmup_fraction": float(warmup_fraction) if is_trace else None,
+    "policy_params": None if params is None else _params_text(params),
   }
   if semantics == "vllm":
     from prefixjax.cache.prefix_state import DEFAULT_VLLM_VERSION
@@ -276,10 +350,21 @@ def replay(
   return dataclasses.replace(result, parameters=tuple(parameters.items()))
 
 
+def _params_text(params: Mapping[str, Any]) -> str:
+  """Canonical JSON text of policy parameters (numpy scalars as Python
+  numbers; other values by ``repr``): one hashable cell of a table."""
+
+  def plain(value):
+    return value.item() if hasattr(value, "item") else repr(value)
+
+  return json.dumps(dict(params), sort_keys=True, default=plain)
+
+
 def _replay(
   source,
   *,
   policy,
+  policy_params,
   capacities,
   semantics,
   engine,
@@ -292,16 +377,10 @@ def _replay(
   keys_per_step,
   devices,
 ) -> ReplayResult:
-  """:func:`replay` less the parameters it records."""
-  if semantics not in SEMANTICS:
-    raise ValueError(f"semantics={semantics!r} is not one of {SEMANTICS}")
+  """:func:`replay` less the parameters it records, for a policy
+  :func:`_policy_of` has checked."""
   if engine not in ENGINE_CHOICES:
     raise ValueError(f"engine={engine!r} is not one of {ENGINE_CHOICES}")
-  if policy is None and semantics in SEMANTICS_POLICY:
-    policy = SEMANTICS_POLICY[semantics]
-  if policy is None:
-    raise ValueError(f"{semantics} replay needs a policy: {REPLAY_POLICIES}")
-  policy = _policy_name(policy, semantics)
   if vllm_version is not None and semantics != "vllm":
     raise ValueError(
       f"vllm_version={vllm_version!r} is a vllm-semantics rule; "
@@ -330,6 +409,8 @@ def _replay(
         capacities=capacities,
         warmup_fraction=warmup_fraction,
         publish=publish,
+        policy=policy,
+        policy_params=policy_params,
         devices=devices,
         **version,
       )

@@ -44,7 +44,7 @@ import enum
 import functools
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from prefixjax._host import to_device
+from prefixjax.cache import policies
 
 __all__ = [
   "Batching",
@@ -68,6 +69,7 @@ __all__ = [
   "pad_rows",
   "padded",
   "points_of_requests",
+  "resolve_policy",
   "scan_prefix",
   "warmup_requests",
 ]
@@ -498,6 +500,81 @@ def check_capacities(capacities, *, minimum: int = 0) -> list[int]:
   if max(capacities) >= 2**31 - 1:
     raise ValueError(f"capacity={max(capacities)} does not fit in int32")
   return capacities
+
+
+def resolve_policy(
+  policy: str | policies.EvictionPolicy = "lru",
+  policy_params: Mapping[str, Any] | None = None,
+) -> tuple[str, dict[str, Any] | None, policies.EvictionPolicy]:
+  """A policy given by name and keyword parameters, or as an object.
+
+  The one rule every replay semantics reads its ``policy`` argument by
+  (each then says which of the policies it runs).
+
+  Args:
+    policy: a registered name (:func:`prefixjax.cache.policies.
+      policy_names`) or an :class:`~prefixjax.cache.policies.EvictionPolicy`.
+    policy_params: keyword parameters of the named policy's factory
+      (``lfu``: ``decay``); none for a policy given as an object.
+
+  Returns:
+    ``(name, params, policy)``: the name (an object's registered name when
+    it is that name's default policy, else ``"custom"``), the parameters
+    (``None`` for a custom object: unknown) and the policy object.
+
+  Raises:
+    ValueError: an unknown name, or parameters the factory refuses.
+    TypeError: parameters the factory does not take, parameters beside an
+      object, or a policy that is neither a name nor an object.
+
+  Example:
+    >>> from prefixjax.cache import policies
+    >>> from prefixjax.replay.frame import resolve_policy
+    >>> name, params, built = resolve_policy("lfu", {"decay": 0.5})
+    >>> name, params, built is policies.lfu(decay=0.5)
+    ('lfu', {'decay': 0.5}, True)
+    >>> resolve_policy(policies.fifo())[:2]
+    ('fifo', {})
+  """
+  if policy_params is not None and not isinstance(policy_params, Mapping):
+    raise TypeError(
+      f"policy_params={policy_params!r} must be a mapping of the policy "
+      "factory's keyword parameters, e.g. {'decay': 0.5}"
+    )
+  params = dict(policy_params or {})
+  if isinstance(policy, policies.EvictionPolicy):
+    if params:
+      raise TypeError(
+        f"policy_params={params!r} build a policy from its name; this "
+        "policy is an EvictionPolicy already (pass its name instead)"
+      )
+    for name in policies.policy_names():
+      try:
+        if policies.get_policy(name) is policy:
+          return name, {}, policy
+      except (TypeError, ValueError):  # a factory without defaults
+        continue
+    return "custom", None, policy
+  if not isinstance(policy, str):
+    raise TypeError(
+      f"policy={policy!r} must be a registered name or an EvictionPolicy"
+    )
+  if policy not in policies.policy_names():
+    raise ValueError(
+      f"policy={policy!r} is not a registered policy; known: "
+      f"{policies.policy_names()}"
+    )
+  try:
+    built = policies.get_policy(policy, **params)
+  except TypeError as err:
+    raise TypeError(
+      f"policy_params={params!r}: policy {policy!r} does not take them ({err})"
+    ) from None
+  except ValueError as err:
+    raise ValueError(
+      f"policy_params={params!r}: policy {policy!r}: {err}"
+    ) from None
+  return policy, params, built
 
 
 def check_warmup_fraction(warmup_fraction) -> float:
