@@ -164,7 +164,23 @@ def _nonnegative_int(text: str) -> int:
   return value
 
 
+def _policy_param(text: str) -> tuple[str, object]:
+  """``KEY=VALUE`` of ``--policy-param``: the value as JSON (a number,
+  ``true``, ``false``), else as the string itself."""
+  key, sep, value = text.partition("=")
+  if not sep or not key.strip():
+    raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+  try:
+    parsed = json.loads(value)
+  except ValueError:
+    parsed = value
+  if not isinstance(parsed, (bool, int, float, str)):
+    parsed = value
+  return key.strip(), parsed
+
+
 def _add_replay(subparsers) -> None:
+  from prefixjax.cache.policies import policy_names
   from prefixjax.replay.kvcache_sim import POLICIES as REPLAY_POLICIES
 
   p = subparsers.add_parser(
@@ -203,10 +219,21 @@ def _add_replay(subparsers) -> None:
     "--policy",
     nargs="+",
     default=None,
-    choices=(*REPLAY_POLICIES, "lru"),
+    choices=tuple(dict.fromkeys((*REPLAY_POLICIES, *policy_names()))),
     metavar="P",
     help=f"kvcache-sim: {', '.join(REPLAY_POLICIES)} (default: all); "
-    "vllm: lru; sglang: lru_leaf",
+    "vllm: one of lru (default), "
+    f"{', '.join(n for n in policy_names() if n != 'lru')}; "
+    "sglang: lru_leaf",
+  )
+  p.add_argument(
+    "--policy-param",
+    type=_policy_param,
+    action="append",
+    default=None,
+    metavar="KEY=VALUE",
+    help="vllm semantics: a keyword parameter of the policy's factory, "
+    "e.g. --policy lfu --policy-param decay=0.5 (repeat for several)",
   )
   p.add_argument("--semantics", default="kvcache-sim", choices=SEMANTICS)
   p.add_argument(
@@ -348,6 +375,7 @@ def _check_replay_args(args) -> None:
     from prefixjax.cache.prefix_state import vllm_free_order
 
     vllm_free_order(args.vllm_version)  # a ValueError names the choices
+  _check_replay_policy(args)
   if args.warmup_fraction >= 1.0:
     raise CliError(
       f"--warmup-fraction {args.warmup_fraction:g} leaves no request in the "
@@ -355,6 +383,57 @@ def _check_replay_args(args) -> None:
     )
   if args.capacity and 0 in args.capacity:
     _warn("capacity 0 holds no block: its hit tokens are 0 by definition")
+
+
+def _policy_params(args) -> dict:
+  """``--policy-param`` pairs as a dict (a key given twice is an error)."""
+  params: dict = {}
+  for key, value in args.policy_param or ():
+    if key in params:
+      raise CliError(f"--policy-param {key}= is given twice")
+    params[key] = value
+  return params
+
+
+def _check_replay_policy(args) -> None:
+  """``--policy`` and ``--policy-param`` against the semantics."""
+  from prefixjax import replay as rp
+
+  params = _policy_params(args)
+  if params and args.semantics != "vllm":
+    raise CliError(
+      f"--policy-param is for --semantics vllm: the {args.semantics} "
+      "replay engines run their policies with default parameters only"
+    )
+  if args.semantics == "kvcache-sim":
+    for policy in args.policy or ():
+      if policy not in rp.REPLAY_POLICIES and policy != "lru":
+        raise CliError(
+          f"policy {policy} needs --semantics vllm; kvcache-sim policies "
+          f"are {', '.join(rp.REPLAY_POLICIES)}"
+        )
+  if args.semantics != "vllm":
+    return
+  if args.policy and len(args.policy) > 1:
+    raise CliError(
+      "--semantics vllm replays one policy per run; got --policy "
+      + " ".join(args.policy)
+    )
+  policy = args.policy[0] if args.policy else "lru"
+  shown = " ".join(f"--policy-param {k}={v}" for k, v in params.items())
+  try:
+    rp.resolve_policy(policy, params)
+  except (TypeError, ValueError) as err:
+    raise CliError(f"--policy {policy} {shown}: {err}") from None
+  if policy != "lru" and args.vllm_version is not None:
+    from prefixjax.cache.prefix_state import vllm_free_order
+
+    if vllm_free_order(args.vllm_version) != "prepend_unhashed":
+      raise CliError(
+        f"--policy {policy} needs --vllm-version 0.23 or later (free "
+        "blocks without a hash at the queue head, used before any "
+        f"victim); {args.vllm_version} queues them at the tail"
+      )
 
 
 def _cmd_replay(args) -> int:
@@ -432,17 +511,25 @@ SERVING = {
 
 
 def _replay_serving(args, trace, load_s) -> int:
+  import dataclasses
+
   import jax
 
   from prefixjax import replay as rp
   from prefixjax.cache.prefix_state import DEFAULT_VLLM_VERSION
 
   policy, order = SERVING[args.semantics]
-  if args.policy not in (None, [policy]):
+  params = _policy_params(args)
+  if args.semantics == "vllm" and args.policy:
+    policy = args.policy[0]  # any prefix-cache policy, checked already
+  elif args.policy not in (None, [policy]):
     raise CliError(
       f"--semantics {args.semantics} uses {order}: pass --policy {policy} "
       f"(got {' '.join(args.policy)})"
     )
+  label = policy
+  if params:
+    label += "(" + ", ".join(f"{k}={v}" for k, v in params.items()) + ")"
   if trace.has_token_ids:
     block_size = args.block_size or 16
     source = "token ids"
@@ -480,7 +567,7 @@ def _replay_serving(args, trace, load_s) -> int:
   print(
     f"prefixjax replay: {trace.name} ({len(trace):,} requests, {source}), "
     f"{args.semantics} semantics ({rules}; one request at a time, policy "
-    f"{policy}), "
+    f"{label}), "
     f"block {block_size}, warm-up {args.warmup_fraction:g}, "
     f"jax {jax.__version__} on {jax.default_backend()}",
     flush=True,
@@ -493,6 +580,8 @@ def _replay_serving(args, trace, load_s) -> int:
     result = rp.replay(
       trace,
       semantics=args.semantics,
+      policy=policy,
+      policy_params=params or None,
       block_size=block_size,
       capacities=[capacity],
       warmup_fraction=args.warmup_fraction,
@@ -500,7 +589,11 @@ def _replay_serving(args, trace, load_s) -> int:
       vllm_version=args.vllm_version,
       waiting_refresh_interval=args.waiting_refresh_interval,
     )
-    timing, points = timing + result.timing, points + list(result)
+    # The table, JSON and plot name the policy with its parameters.
+    timing = timing + result.timing
+    points += [dataclasses.replace(p, policy=label) for p in result]
+  # Nothing is evicted at the ceiling's capacity, so every policy's
+  # ceiling is lru's (on its fast engine).
   ceiling, spent = _serving_ceiling(args, trace, block_size, points[0])
   return _report(args, trace, points, ceiling, load_s, timing + spent)
 

@@ -237,8 +237,10 @@ def test_cli_replay_vllm_semantics_on_token_trace(tmp_path, capsys):
   (point,) = json.loads(out.read_text())["points"]
   # Requests 2 and 3 hit the 32-token shared prefix (4 whole blocks).
   assert point["hit_tokens"] == 64 and point["policy"] == "lru"
-  assert cli.main(argv + ["--policy", "fifo"]) == 2
-  assert "--policy lru" in capsys.readouterr().err
+  # Any prefix-cache policy runs under vllm, but only on vLLM >= 0.23's
+  # release order (see test_cli_replay_vllm_policy_with_parameters).
+  assert cli.main(argv + ["--policy", "fifo", "--vllm-version", "0.22"]) == 2
+  assert "--vllm-version 0.23 or later" in capsys.readouterr().err
 
 
 def test_cli_replay_vllm_semantics_on_mooncake_trace(tmp_path, capsys):
@@ -563,3 +565,62 @@ def test_cli_replay_sglang_waiting_refresh_flag(tmp_path, capsys, rng):
     cli.main(["replay", "--waiting-refresh-interval", "0"])
   assert exit_.value.code == 2
   assert "0 must be >= 1" in capsys.readouterr().err
+
+
+def test_cli_replay_vllm_policy_with_parameters(tmp_path, capsys, rng):
+  """``--semantics vllm --policy lfu --policy-param decay=D`` equals
+  ``replay()`` with ``policy_params={"decay": D}`` (the table names the
+  policy with its parameters); parameters are refused before any work
+  where they cannot run."""
+  trace = generate_workload(
+    "multi_turn", num_requests=16, seed=int(rng.integers(2**31))
+  )
+  path = tmp_path / "t.jsonl"
+  path.write_text(
+    "".join(
+      json.dumps(
+        dict(
+          input_tok_ids=trace.input_token_ids[i].tolist(),
+          output_toks=int(trace.output_lengths[i]),
+          arrival_time_ns=i,
+        )
+      )
+      + "\n"
+      for i in range(len(trace))
+    )
+  )
+  loaded = pj_load(path)
+  k = 16
+  capacity = -(-int(loaded.kv_tokens.max()) // k) + int(rng.integers(0, 8))
+  decay = float(rng.choice([0.25, 0.5, 0.75]))
+  out = tmp_path / "lfu.json"
+  argv = ["replay", "--trace", str(path), "--semantics", "vllm"]
+  argv += ["--block-size", str(k), "--capacity", str(capacity)]
+  argv += ["--policy", "lfu"]
+  lfu = argv + ["--policy-param", f"decay={decay}"]
+  assert cli.main(lfu + ["--json", str(out)]) == 0
+  assert f"policy lfu(decay={decay})" in capsys.readouterr().out
+  (want,) = replay.replay(
+    loaded,
+    semantics="vllm",
+    policy="lfu",
+    policy_params={"decay": decay},
+    block_size=k,
+    capacities=[capacity],
+  )
+  (got,) = json.loads(out.read_text())["points"]
+  assert got["hit_tokens"] == want.hit_tokens
+  assert got["policy"] == f"lfu(decay={decay})"
+  for extra, rule in (
+    (["--policy-param", "decay=2"], "decay=2 must be in (0, 1]"),
+    (["--policy-param", "window=1"], "does not take them"),
+    (["--policy", "lfu", "fifo"], "replays one policy per run"),
+    (["--policy-param", "decay=1", "--policy-param", "decay=1"], "twice"),
+  ):
+    assert cli.main(argv + extra) == 2
+    assert rule in capsys.readouterr().err, extra
+  base = ["replay", "--capacity", "9", "--policy-param", "decay=0.5"]
+  assert cli.main(base + ["--semantics", "sglang"]) == 2
+  assert "--policy-param is for --semantics vllm" in capsys.readouterr().err
+  assert cli.main(["replay", "--policy", "lfu"]) == 2
+  assert "policy lfu needs --semantics vllm" in capsys.readouterr().err

@@ -83,17 +83,19 @@ def test_policies_a_semantics_does_not_serve_are_left_out():
     }
   )
   pairs = [(p.get("semantics"), p.get("policy")) for p in spec.points]
+  # vllm replays every prefix-cache policy (lru on its fast engine, the
+  # others through the general verbs).
   assert pairs == [
     ("kvcache-sim", "fifo"),
     ("kvcache-sim", "lru_leaf"),
+    ("vllm", "fifo"),
     ("vllm", "lru"),
+    ("vllm", "lru_leaf"),
     ("sglang", "lru_leaf"),
   ]
   assert sorted(spec.left_out) == sorted(
     [
       ("kvcache-sim", "lru", 1),
-      ("vllm", "fifo", 1),
-      ("vllm", "lru_leaf", 1),
       ("sglang", "fifo", 1),
       ("sglang", "lru", 1),
     ]
@@ -955,3 +957,165 @@ def test_distributed_flags_need_distributed(tmp_path, capsys):
   path = _write(tmp_path, "[replay]\ncapacity = 8\n")
   assert main(["sweep", str(path), "--process-id", "1"]) == 2
   assert "--process-id is for --distributed" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------
+# Eviction policies with parameters (vllm semantics).
+
+
+def _small_system_prompt(seed: int):
+  return {
+    "generator": "system_prompt",
+    "requests": 30,
+    "seed": seed,
+    "params": {
+      "prompt_len": [64, 256],
+      "question_len": [8, 64],
+      "output_len": [4, 32],
+    },
+  }
+
+
+def test_vllm_policy_grid_rows_equal_direct_replay(rng, tmp_path):
+  """``policy = [lru, lfu, fifo]`` with ``policy_params = [{}, { decay }]``
+  under vllm semantics: the decay table is crossed with lfu only (lru and
+  fifo take no decay: left out and said), and every row equals
+  :func:`prefixjax.replay.replay` called with that point's policy and
+  parameters."""
+  seed = int(rng.integers(1 << 30))
+  workload = _small_system_prompt(seed)
+  trace = workloads.generate_workload(
+    "system_prompt",
+    num_requests=30,
+    seed=seed,
+    **workload["params"],
+  )
+  need = -(-int(trace.kv_tokens.max()) // 16)
+  capacities = [need, need + int(rng.integers(2, 40))]
+  decay = float(rng.choice([0.3, 0.5, 0.9]))
+  spec = parse_spec(
+    {
+      "workloads": {"w": workload},
+      "replay": {
+        "semantics": "vllm",
+        "policy": ["lru", "lfu", "fifo"],
+        "policy_params": [{}, {"decay": decay}],
+        "capacity": capacities,
+        "warmup_fraction": 0.25,
+      },
+    },
+    source=str(tmp_path / "spec.toml"),
+  )
+  text = json.dumps({"decay": decay})
+  assert sorted(spec.left_out_params) == [("fifo", text, 2), ("lru", text, 2)]
+  said = []
+  result = run_sweep(spec, tmp_path / "out", plots=False, log=said.append)
+  assert any(
+    f"2 points of policy fifo with policy_params {text} left out" in m
+    for m in said
+  )
+  got = [(r["policy"], r["policy_params"], r["capacity"]) for r in result.rows]
+  assert got == [
+    (policy, params, c)
+    for policy, params in (
+      ("lru", "{}"),
+      ("lfu", "{}"),
+      ("lfu", text),
+      ("fifo", "{}"),
+    )
+    for c in capacities
+  ]
+  for i in range(0, len(result.rows), 2):  # the capacities of one call
+    rows = result.rows[i : i + 2]
+    want = rp.replay(
+      trace,
+      semantics="vllm",
+      policy=rows[0]["policy"],
+      policy_params=json.loads(rows[0]["policy_params"]),
+      capacities=capacities,
+      warmup_fraction=0.25,
+    )
+    for row, point in zip(rows, want, strict=True):
+      assert row["capacity"] == point.capacity_blocks
+      assert row["hit_tokens"] == point.hit_tokens, row
+      assert row["total_tokens"] == point.total_tokens, row
+      assert row["hit_rate"] == point.hit_rate, row
+  assert result.rows[-1]["hit_tokens"] > 0
+
+
+def test_policy_params_spec_rules(tmp_path):
+  """Combinations that cannot run are refused before any work, naming the
+  file, the field and the rule."""
+  source = str(tmp_path / "spec.toml")
+
+  def refused(replay=None, points=None):
+    data = {"workloads": {"w": _small_system_prompt(0)}}
+    if replay is not None:
+      data["replay"] = {"capacity": 64, **replay}
+    if points is not None:
+      data["points"] = points
+    with pytest.raises(SpecError) as err:
+      parse_spec(data, source=source)
+    return str(err.value)
+
+  message = refused({"policy": "lfu", "policy_params": {"decay": 0.5}})
+  assert message.startswith(f"{source}: replay.policy: ")
+  assert "no listed semantics serves lfu (semantics vllm does)" in message
+  message = refused(
+    {
+      "semantics": ["kvcache-sim", "sglang"],
+      "policy": "lru_leaf",
+      "policy_params": [{}, {"decay": 0.5}],
+    }
+  )
+  assert message.startswith(f'{source}: replay.policy_params={{"decay": 0.5}}')
+  assert "no listed policy takes it (policy lru_leaf takes no" in message
+  message = refused(
+    {
+      "semantics": "vllm",
+      "policy": ["lru", "fifo"],
+      "policy_params": [{}, {"decay": 0.5}],
+    }
+  )
+  assert "policy lru takes no parameter 'decay'" in message
+  message = refused(
+    {"semantics": "vllm", "policy": "lfu", "policy_params": {"decay": 1.5}}
+  )
+  assert 'replay.policy_params={"decay": 1.5}: policy lfu: decay=1.5' in message
+  message = refused(
+    points=[
+      {
+        "mode": "replay",
+        "semantics": "vllm",
+        "policy": "lru",
+        "capacity": 64,
+        "policy_params": {"decay": 0.5},
+      }
+    ]
+  )
+  assert message.startswith(f"{source}: points[0]: replay.policy_params=")
+  assert "policy lru takes no parameter 'decay'" in message
+  # lfu under vllm with a decay grid: runs (parsed), the decays apart.
+  spec = parse_spec(
+    {
+      "workloads": {"w": _small_system_prompt(0)},
+      "replay": {
+        "semantics": ["kvcache-sim", "vllm"],
+        "policy": ["fifo", "lfu"],
+        "policy_params": [{}, {"decay": 0.5}, {"decay": 0.9}],
+        "capacity": 64,
+      },
+    },
+    source=source,
+  )
+  assert [
+    (p.get("semantics"), p.get("policy"), p.get("policy_params"))
+    for p in spec.points
+  ] == [
+    ("kvcache-sim", "fifo", "{}"),
+    ("vllm", "fifo", "{}"),
+    ("vllm", "lfu", "{}"),
+    ("vllm", "lfu", '{"decay": 0.5}'),
+    ("vllm", "lfu", '{"decay": 0.9}'),
+  ]
+  assert ("kvcache-sim", "lfu", 3) in spec.left_out

@@ -7,7 +7,9 @@ compiled program form a group, and each group is one call:
   :func:`prefixjax.replay.replay` call (its engines batch capacities as
   columns of one state, one stack pass, or one program run per capacity;
   vectorized, the per-capacity vllm and sglang engines run the capacities
-  as one vmapped program sharded over the local devices);
+  as one vmapped program sharded over the local devices); groups of one
+  vllm policy whose ``policy_params`` live in the policy's state (``lfu``'s
+  ``decay``) reuse one compiled program;
 * simulate points that share the static shapes (``num_blocks``,
   ``block_size``, ``max_num_seqs``, ``max_model_len``, the scheduler, the
   clock and its presets, the arrival mode) and differ in
@@ -49,7 +51,6 @@ from prefixjax.sweep.spec import (
   Point,
   SweepSpec,
   load_spec,
-  policy_of,
   serving_config,
 )
 
@@ -157,11 +158,12 @@ def _replay_group(trace, points: Sequence[Point], devices=None):
   from prefixjax import replay as rp
 
   p0 = points[0]
-  semantics, policy = p0.get("semantics"), policy_of(dict(p0.params))
+  semantics = p0.get("semantics")
   block_size, warmup = p0.get("block_size"), p0.get("warmup_fraction")
   result = rp.replay(
     trace,
-    policy=policy,
+    policy=p0.get("policy"),
+    policy_params=json.loads(p0.get("policy_params")) or None,
     capacities=[p.get("capacity") for p in points],
     semantics=semantics,
     block_size=block_size,
@@ -422,6 +424,11 @@ def run_sweep(
     say(
       f"{mode}: {n} points of {what} {policy} left out ({sem} does not "
       "serve it)"
+    )
+  for policy, params, n in spec.left_out_params:
+    say(
+      f"replay: {n} points of policy {policy} with policy_params {params} "
+      f"left out ({policy} takes no such parameter)"
     )
   missing = {}
   traces = {}

@@ -23,7 +23,8 @@ TOML because it is readable, diffable and read by the standard library
   semantics = "kvcache-sim"        # capacity in blocks, or capacity_tokens
   policy = ["fifo", "lru_leaf", "belady_leaf"]
   policy_params = {}               # the policy factory's keywords (a table,
-                                   # or a list of tables: a grid)
+                                   # or a list of tables: a grid; vllm
+                                   # semantics only, e.g. lfu's decay)
   block_size = 16
   capacity = [64, 128, 256]
 
@@ -50,9 +51,12 @@ takes its default (:data:`REPLAY_FIELDS`, :data:`SIMULATE_FIELDS`).
 takes each field it leaves out from its mode's section when that is a single
 value, else the default; a point may not leave out a field its section
 lists several values of. In a replay grid, a policy the semantics does not
-serve (vLLM's is ``lru``, SGLang's ``lru_leaf``) is left out of that
-semantics' points, and the spec says how many were left out; a listed policy
-no listed semantics serves is an error. Likewise in a simulate grid a
+serve (:func:`prefixjax.replay.served_policies`: kvcache-sim's ``fifo``,
+``lru_leaf`` and ``belady_leaf``; SGLang's ``lru_leaf``; vLLM's every
+policy the prefix cache runs, ``lru`` on its specialised engine, the others
+through the general prefix-cache verbs) is left out of that semantics'
+points, and the spec says how many were left out; a listed policy no
+listed semantics serves is an error. Likewise in a simulate grid a
 scheduler SGLang's semantics does not model (it serves
 :data:`prefixjax.serving.SGLANG_POLICIES`: ``fcfs``, ``lpm``, ``dfs``,
 ``fair`` and ``priority``; a user-registered scheduler orders vLLM's loop
@@ -64,11 +68,21 @@ grid's order, and the rows carry the seed as ``workload_seed`` (``seed``
 is the simulate field that draws the arrival times). ``policy_params`` is
 a table of keyword arguments of the policy's factory
 (:func:`prefixjax.cache.policies.get_policy`: ``lfu`` takes ``decay``), a
-list of tables being a grid; each must build the policy, and the replay
-engines run the policy objects they serve only (today ``fifo``,
-``lru_leaf``, ``belady_leaf`` and ``lru``, none of which takes a
-parameter), so any other value is an error naming the rule. The rows carry
-it as a JSON text column (``"{}"`` by default).
+list of tables being a grid. A table is crossed with the listed policies
+that take its keywords: a policy that does not (``lru`` and ``fifo`` under
+``{ decay = 0.5 }``) is left out of that table's points, and the spec
+says how many; a table no listed policy takes is an error,
+and so is a value the factory refuses. Only the vllm semantics runs a
+policy with parameters other than its defaults (the kvcache-sim and SGLang
+engines are parameterless): any other such point is an error. So::
+
+  [replay]
+  semantics = "vllm"
+  policy = ["lru", "lfu", "fifo"]
+  policy_params = [{}, { decay = 0.5 }, { decay = 0.9 }]
+
+runs ``lru``, ``fifo`` and ``lfu`` with ``{}`` and ``lfu`` with each decay.
+The rows carry it as a JSON text column (``"{}"`` by default).
 
 Every error names the file, the field (``simulate.rate[1]``, ``points[2]
 .scheduler``) and the rule broken, before any work.
@@ -188,9 +202,9 @@ def _semantics():
 
 
 def _policies():
-  from prefixjax.replay import REPLAY_POLICIES, SEMANTICS_POLICY
+  from prefixjax.replay import SEMANTICS, served_policies
 
-  return tuple(dict.fromkeys((*REPLAY_POLICIES, *SEMANTICS_POLICY.values())))
+  return tuple(dict.fromkeys(p for s in SEMANTICS for p in served_policies(s)))
 
 
 def _schedulers():
@@ -418,6 +432,9 @@ class SweepSpec:
     left_out: ``(semantics, policy)`` pairs of the replay grid (or
       ``(semantics, scheduler)`` of the simulate grid) that the semantics
       does not serve, with how many points each left out.
+    left_out_params: ``(policy, policy_params)`` pairs of the replay grid
+      where the policy takes no such parameter, with how many points each
+      left out.
     vectorize: ``[sweep] vectorize``: True, False or None (automatic: see
       :func:`prefixjax.serving.simulate_batch`).
     full: whether ``[full]`` was applied.
@@ -429,6 +446,7 @@ class SweepSpec:
   workloads: dict[str, WorkloadSpec]
   points: tuple[Point, ...]
   left_out: tuple[tuple[str, str, int], ...] = ()
+  left_out_params: tuple[tuple[str, str, int], ...] = ()
   vectorize: bool | None = None
   full: bool = False
 
@@ -553,10 +571,11 @@ def parse_spec(
     )
   points: list[tuple[str, WorkloadSpec, dict]] = []
   left_out: dict[tuple[str, str], int] = {}
+  left_out_params: dict[tuple[str, str], int] = {}
   for mode in modes:
     section = _table(data, mode, label)
     grid = _grid(section, mode, label, workloads)
-    points += _expand(grid, mode, label, workloads, left_out)
+    points += _expand(grid, mode, label, workloads, left_out, left_out_params)
   for i, point in enumerate(explicit):
     where = f"{label}: points[{i}]"
     if not isinstance(point, Mapping):
@@ -620,6 +639,7 @@ def parse_spec(
     workloads=workloads,
     points=expanded,
     left_out=tuple((s, p, n) for (s, p), n in left_out.items()),
+    left_out_params=tuple((p, t, n) for (p, t), n in left_out_params.items()),
     vectorize=None if vectorize == "auto" else vectorize,
     full=full,
   )
@@ -753,7 +773,9 @@ def _grid(section, mode, label, workloads) -> dict[str, list]:
   return grid
 
 
-def _expand(grid, mode, where, workloads, left_out, *, strict=False):
+def _expand(
+  grid, mode, where, workloads, left_out, left_out_params=None, *, strict=False
+):
   # A workload of several seeds is several values of the workload field,
   # in its place in the grid's order.
   grid = {
@@ -763,19 +785,18 @@ def _expand(grid, mode, where, workloads, left_out, *, strict=False):
   names = list(grid)
   out = []
   served_any: set[str] = set()
+  # Per policy_params text: why a policy left out did not take it (kept
+  # until some listed policy does).
+  params_taken: dict[str, str | None] = {}
   for combo in itertools.product(*(grid[n] for n in names)):
     params = dict(zip(names, combo, strict=True))
     if mode == "replay":
-      from prefixjax.replay import REPLAY_POLICIES, SEMANTICS_POLICY
+      from prefixjax.replay import SEMANTICS_POLICY, served_policies
 
       sem, policy = params["semantics"], params["policy"]
-      serves = (
-        REPLAY_POLICIES if sem == "kvcache-sim" else (SEMANTICS_POLICY[sem],)
-      )
+      serves = served_policies(sem)
       if policy is None:
-        params["policy"] = policy = (
-          "lru_leaf" if sem == "kvcache-sim" else serves[0]
-        )
+        params["policy"] = policy = SEMANTICS_POLICY.get(sem, "lru_leaf")
       if policy not in serves:
         if strict:
           raise SpecError(
@@ -785,7 +806,17 @@ def _expand(grid, mode, where, workloads, left_out, *, strict=False):
         left_out[(sem, policy)] = left_out.get((sem, policy), 0) + 1
         continue
       served_any.add(policy)
-      _check_policy_params(params, where)
+      text = params["policy_params"]
+      why = _check_policy_params(params, where)
+      if why is not None:  # the policy takes no such keyword
+        if strict:
+          raise SpecError(f"{where}: replay.policy_params={text}: {why}")
+        params_taken.setdefault(text, why)
+        if left_out_params is not None:
+          pair = (policy, text)
+          left_out_params[pair] = left_out_params.get(pair, 0) + 1
+        continue
+      params_taken[text] = None
       tokens = params["capacity_tokens"]
       if (params["capacity"] is None) == (tokens is None):
         raise SpecError(
@@ -816,26 +847,24 @@ def _expand(grid, mode, where, workloads, left_out, *, strict=False):
   if mode == "replay" and not strict:
     for policy in grid["policy"]:
       if policy is not None and policy not in served_any:
+        vllm = "" if "vllm" in grid["semantics"] else " (semantics vllm does)"
         raise SpecError(
-          f"{where}: replay.policy: no listed semantics serves {policy}"
+          f"{where}: replay.policy: no listed semantics serves {policy}{vllm}"
+        )
+    for text, why in params_taken.items():
+      if why is not None:
+        raise SpecError(
+          f"{where}: replay.policy_params={text}: no listed policy takes "
+          f"it ({why})"
         )
   return out
 
 
-def policy_of(params: Mapping[str, Any]):
-  """A replay point's policy: its name, or the
-  :class:`prefixjax.cache.policies.EvictionPolicy` its ``policy_params``
-  build."""
-  keywords = json.loads(params.get("policy_params", "{}"))
-  if not keywords:
-    return params["policy"]
-  from prefixjax.cache import policies
-
-  return policies.get_policy(params["policy"], **keywords)
-
-
-def _check_policy_params(params, where):
-  """``policy_params`` build the policy, one the replay engines run."""
+def _check_policy_params(params, where) -> str | None:
+  """``policy_params`` build the point's policy, one its semantics runs
+  with them (only vllm's runs parameters other than a policy's defaults).
+  Returns why the policy takes no such keyword (the point is then left out
+  of a grid), or None; raises :class:`SpecError` on any other rule."""
   from prefixjax.cache import policies
 
   policy, text = params["policy"], params["policy_params"]
@@ -844,17 +873,23 @@ def _check_policy_params(params, where):
   try:
     built = policies.get_policy(policy, **keywords)
   except TypeError as err:
-    raise SpecError(
-      f"{field}: policy {policy} takes no parameter "
+    return (
+      f"policy {policy} takes no parameter "
       f"{', '.join(map(repr, keywords))} ({err})"
-    ) from None
+    )
   except ValueError as err:
     raise SpecError(f"{field}: policy {policy}: {err}") from None
-  if keywords and built is not policies.get_policy(policy):
+  semantics = params["semantics"]
+  if (
+    semantics != "vllm"
+    and keywords
+    and built is not policies.get_policy(policy)
+  ):
     raise SpecError(
-      f"{field}: the {params['semantics']} replay engines run {policy} "
-      "with its default parameters only"
+      f"{field}: the {semantics} replay engines run {policy} with its "
+      'default parameters only; parameterised policies need semantics = "vllm"'
     )
+  return None
 
 
 def serving_config(params: Mapping[str, Any]):
