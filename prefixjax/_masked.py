@@ -23,6 +23,7 @@ __all__ = [
   "compact",
   "gather",
   "get_row",
+  "kernel",
   "scatter",
   "scatter_add",
   "set_row",
@@ -105,23 +106,94 @@ def barrier(anchor: jax.Array, *values):
 
   # The body never runs, but XLA must not see through it: it changes every
   # value (else XLA drops loop invariants and the loop disappears) and mixes
-  # all of them into each (else XLA drops the outputs nobody uses, and with
-  # them the ordering they were passed in for).
+  # each into the next one, in a cycle (else XLA drops the outputs nobody
+  # uses, and with them the ordering they were passed in for). A cycle, not
+  # a sum of all into each: XLA fuses the sum into every output, and the
+  # loop's size (which decides whether XLA:CPU compiles the loops around it
+  # into one kernel) would grow with the square of the values.
   def body(carry):
     leaves, tree = jax.tree.flatten(carry[1])
-    mix = sum(jnp.sum(leaf.astype(jnp.int32)) for leaf in leaves)
+    sums = [jnp.sum(leaf.astype(jnp.int32)) for leaf in leaves]
     mixed = [
-      jnp.invert(leaf) ^ (mix & 1).astype(leaf.dtype)
+      jnp.invert(leaf) ^ (sums[(i + 1) % len(leaves)] & 1).astype(leaf.dtype)
       if leaf.dtype == jnp.bool_
-      else jnp.invert(leaf) ^ mix.astype(leaf.dtype)
-      for leaf in leaves
+      else jnp.invert(leaf) ^ sums[(i + 1) % len(leaves)].astype(leaf.dtype)
+      for i, leaf in enumerate(leaves)
     ]
     return carry[0] + 1, jax.tree.unflatten(tree, mixed)
 
+  # Scalars travel packed in one int32 vector: the loop's size counts every
+  # element of its carry.
+  leaves, tree = jax.tree.flatten(values)
+  leaves = [jnp.asarray(leaf) for leaf in leaves]
+  packable = [
+    i
+    for i, leaf in enumerate(leaves)
+    if leaf.ndim == 0 and leaf.dtype in (jnp.int32, jnp.uint32, jnp.bool_)
+  ]
+  if len(packable) < 2:
+    packable = []
+  rest = [leaf for i, leaf in enumerate(leaves) if i not in packable]
+  carry = (
+    [jnp.stack([_to_int32(leaves[i]) for i in packable])] if packable else []
+  )
   _, out = jax.lax.while_loop(
-    lambda carry: carry[0] < opaque_zero, body, (jnp.int32(0), values)
+    lambda carry: carry[0] < opaque_zero,
+    body,
+    (jnp.int32(0), (*carry, *rest)),
+  )
+  if packable:
+    packed, *out = out
+    rest = iter(out)
+    out = [
+      _from_int32(packed[packable.index(i)], leaf.dtype)
+      if i in packable
+      else next(rest)
+      for i, leaf in enumerate(leaves)
+    ]
+  return jax.tree.unflatten(tree, list(out))
+
+
+def kernel(anchor: jax.Array, fn, carry):
+  """``fn(carry)``, run as the one iteration of a while loop.
+
+  XLA:CPU runs each fused operation of a program as a thunk of its own
+  (tens of nanoseconds each, more for loops and conditionals), except a
+  while loop whose body and condition access few bytes (under 1 kB by its
+  ``HloCostAnalysis``; no scatter, sort or custom call inside), which it
+  compiles into one kernel. Wrapping a short scalar computation (a cache
+  verb's per-block step) this way makes it one thunk. The trip count is
+  opaque (see :func:`barrier`), so XLA cannot unroll the loop away.
+
+  Args:
+    anchor: an int32 scalar computed at run time that is never -7.
+    fn: ``carry -> carry`` (the same structure, shapes and dtypes).
+    carry: a pytree of arrays: what ``fn`` changes, in place.
+
+  Returns:
+    ``fn(carry)``.
+  """
+  opaque_one = (anchor != -7).astype(jnp.int32)
+  _, out = jax.lax.while_loop(
+    lambda c: c[0] < opaque_one,
+    lambda c: (c[0] + 1, fn(c[1])),
+    (jnp.int32(0), carry),
   )
   return out
+
+
+def _to_int32(x: jax.Array) -> jax.Array:
+  if x.dtype == jnp.uint32:
+    return jax.lax.bitcast_convert_type(x, jnp.int32)
+  return x.astype(jnp.int32)
+
+
+def _from_int32(x: jax.Array, dtype) -> jax.Array:
+  if dtype == jnp.uint32:
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)
+  if dtype == jnp.bool_:
+    return x != 0
+  return x
 
 
 def compact(values: jax.Array, keep: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -23,6 +23,7 @@ from prefixjax._masked import (
   NULL_BLOCK,
   compact,
   gather,
+  kernel,
   scatter,
   scatter_add,
 )
@@ -95,36 +96,60 @@ def refresh_tree(state: PrefixCacheState, blocks: jax.Array, lanes):
 def evict_block(state: PrefixCacheState, block, ok):
   """Drops ``block``'s identity if it has one (``ok`` masks the call);
   ``(state, 1 if it had one else 0)``."""
-  nxt = gather(state.dup_next, block[None], NO_BLOCK)[0]
-  prv = gather(state.dup_prev, block[None], NO_BLOCK)[0]
-  key = state.block_hash.at[jnp.clip(block, 0, state.num_blocks - 1)].get()
-  has = ok & (nxt != NO_BLOCK)
-  sole = nxt == block
-  nxt, prv, key, has, sole = settle(state, nxt, prv, key, has, sole)
-  # The key's head is the block (its list's earliest member): the key goes
-  # (the block was its only one) or points at the block's successor.
-  idx, _ = index_lib.unlink(
-    state.index, key, block, jnp.where(sole, NO_BLOCK, nxt), has
-  )
-  relink = has & ~sole
-  dup_next = scatter(state.dup_next, prv[None], nxt, relink)
-  dup_prev = scatter(state.dup_prev, nxt[None], prv, relink)
-  dup_next = scatter(dup_next, block[None], NO_BLOCK, has)
-  dup_prev = scatter(dup_prev, block[None], NO_BLOCK, has)
-  block_hash = state.block_hash.at[jnp.where(has, block, state.num_blocks)].set(
-    jnp.zeros((2,), jnp.uint32), mode="drop"
-  )
-  pstate = state.paging.replace(
-    published=scatter(state.paging.published, block[None], False, has)
+
+  def unlink(c):
+    idx = c[0]
+    nxt = gather(state.dup_next, block[None], NO_BLOCK)[0]
+    prv = gather(state.dup_prev, block[None], NO_BLOCK)[0]
+    key = state.block_hash.at[jnp.clip(block, 0, state.num_blocks - 1)].get()
+    has = ok & (nxt != NO_BLOCK)
+    sole = nxt == block
+    # The key's head is the block (its list's earliest member): the key
+    # goes (the block was its only one) or points at its successor.
+    idx, _, (nxt, prv, has) = index_lib.unlink_settling(
+      idx, key, block, jnp.where(sole, NO_BLOCK, nxt), has, nxt, prv, has
+    )
+    return idx, nxt, prv, has
+
+  # One kernel (the loop's outputs also order the reads before the writes
+  # below, as a barrier would).
+  none = jnp.int32(NO_BLOCK)
+  idx, nxt, prv, has = kernel(
+    state.paging.free_head, unlink, (state.index, none, none, jnp.bool_(False))
   )
   one = has.astype(jnp.int32)
-  stats = add_stats(state.stats, evictions=one)
-  stats = stats.replace(
-    num_cached=stats.num_cached - one,
-    num_cached_free=stats.num_cached_free - one,
+
+  def forget(c):
+    dup_next, dup_prev, block_hash, published, stats = c
+    relink = has & ~(nxt == block)
+    dup_next = scatter(dup_next, prv[None], nxt, relink)
+    dup_prev = scatter(dup_prev, nxt[None], prv, relink)
+    dup_next = scatter(dup_next, block[None], NO_BLOCK, has)
+    dup_prev = scatter(dup_prev, block[None], NO_BLOCK, has)
+    block_hash = block_hash.at[jnp.where(has, block, state.num_blocks)].set(
+      jnp.zeros((2,), jnp.uint32), mode="drop"
+    )
+    published = scatter(published, block[None], False, has)
+    stats = add_stats(stats, evictions=one)
+    stats = stats.replace(
+      num_cached=stats.num_cached - one,
+      num_cached_free=stats.num_cached_free - one,
+    )
+    return dup_next, dup_prev, block_hash, published, stats
+
+  dup_next, dup_prev, block_hash, published, stats = kernel(
+    block,
+    forget,
+    (
+      state.dup_next,
+      state.dup_prev,
+      state.block_hash,
+      state.paging.published,
+      state.stats,
+    ),
   )
   state = state.replace(
-    paging=pstate,
+    paging=state.paging.replace(published=published),
     index=idx,
     block_hash=block_hash,
     dup_next=dup_next,

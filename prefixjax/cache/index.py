@@ -60,6 +60,7 @@ __all__ = [
   "insert",
   "lookup",
   "unlink",
+  "unlink_settling",
   "update",
 ]
 
@@ -348,13 +349,15 @@ def delete(index: IndexState, key, ok=True):
   ok = jnp.asarray(ok, jnp.bool_)
   found, _ = _probe(index, key, ok)
   old = index.values.at[jnp.maximum(found, 0)].get(mode="clip")
-  found, old = barrier(index.count, found, old)
+  found, old, next_empty = barrier(
+    index.count, found, old, _next_empty(index, found)
+  )
   status = jnp.where(
     ~ok,
     IndexStatus.SKIPPED,
     jnp.where(found >= 0, IndexStatus.OK, IndexStatus.ABSENT),
   ).astype(jnp.int32)
-  index = _delete_at(index, found, status == IndexStatus.OK)
+  index = _delete_at(index, found, status == IndexStatus.OK, next_empty)
   return index, InsertResult(status, jnp.where(found >= 0, old, NO_VALUE))
 
 
@@ -391,12 +394,35 @@ def unlink(index: IndexState, key, value, successor, ok=True):
     >>> int(r.status), index.lookup(idx, key[None]).tolist()
     (2, [5])
   """
+  index, result, _ = unlink_settling(index, key, value, successor, ok)
+  return index, result
+
+
+def unlink_settling(index: IndexState, key, value, successor, ok=True, *more):
+  """:func:`unlink`, passing ``more`` (int or bool arrays) through the
+  barrier that orders its reads before its writes: ``(new_index,
+  InsertResult, more)``.
+
+  For a caller that read ``more`` (and the arguments) from its own arrays
+  and writes them after the call: one barrier serves both (see
+  :func:`prefixjax._masked.barrier`). ``value``, ``successor`` and ``ok``
+  pass through it too.
+  """
   ok = jnp.asarray(ok, jnp.bool_)
   value = jnp.asarray(value, jnp.int32)
   successor = jnp.asarray(successor, jnp.int32)
   found, _ = _probe(index, key, ok)
   old = index.values.at[jnp.maximum(found, 0)].get(mode="clip")
-  found, old = barrier(index.count, found, old)
+  found, old, next_empty, ok, value, successor, more = barrier(
+    index.count,
+    found,
+    old,
+    _next_empty(index, found),
+    ok,
+    value,
+    successor,
+    more,
+  )
   old = jnp.where(found >= 0, old, NO_VALUE)
   status = jnp.where(
     ~ok,
@@ -407,52 +433,55 @@ def unlink(index: IndexState, key, value, successor, ok=True):
   ).astype(jnp.int32)
   do = status == IndexStatus.OK
   slot = jnp.where(do & (successor >= 0), found, index.capacity)
-  index = _delete_at(index, found, do & (successor < 0))
+  index = _delete_at(index, found, do & (successor < 0), next_empty)
   index = index.replace(
     values=index.values.at[slot].set(successor, mode="drop")
   )
-  return index, InsertResult(status, old)
+  return index, InsertResult(status, old), more
 
 
-def _delete_at(index: IndexState, found, do):
-  """Deletes the live slot ``found`` where ``do`` (a tombstone, or EMPTY
-  with the tombstones right before it when the next slot is EMPTY)."""
+def _next_empty(index: IndexState, found) -> jax.Array:
+  """Whether the slot after ``found`` is ``EMPTY`` (read before any write:
+  the callers pass it through their barrier with the probe's result)."""
   cap = index.capacity
-  next_empty = (
-    index.values.at[(found + 1) & (cap - 1)].get(mode="clip") == EMPTY
-  )
-  next_empty = barrier(index.count, next_empty)[0]
+  return index.values.at[(found + 1) & (cap - 1)].get(mode="clip") == EMPTY
+
+
+def _delete_at(index: IndexState, found, do, next_empty):
+  """Deletes the live slot ``found`` where ``do`` (a tombstone, or EMPTY
+  with the tombstones right before it when the next slot, ``next_empty``,
+  is EMPTY)."""
+  cap = index.capacity
   # If the next slot is EMPTY no probe path runs through this one: it (and
   # the run of tombstones right before it) can become EMPTY.
   clear = do & next_empty
 
+  # Clear the run of tombstones right before the slot, one in-place write
+  # each: a loop of reads and dynamic-update-slices (no scatter) that XLA
+  # can compile into one kernel with its caller's loop.
   def cond(c):
-    i, n = c
+    i, values = c
     slot = (found - 1 - i) & (cap - 1)
-    v = index.values.at[slot].get(mode="clip")
-    return clear & (i < index.max_probes - 1) & (v == TOMBSTONE) & (n < cap)
+    v = values.at[slot].get(mode="clip")
+    return clear & (i < index.max_probes - 1) & (v == TOMBSTONE) & (i < cap)
 
   def body(c):
-    i, n = c
-    return i + 1, n + 1
+    i, values = c
+    slot = (found - 1 - i) & (cap - 1)
+    return i + 1, jax.lax.dynamic_update_slice(
+      values, jnp.full((1,), EMPTY, jnp.int32), (slot,)
+    )
 
-  # Count the tombstones to clear (read only), then write once.
-  _, num_cleared = jax.lax.while_loop(cond, body, (jnp.int32(0), jnp.int32(0)))
-  num_cleared = barrier(index.count, num_cleared)[0]
-  # One scatter that depends on the loop above, so XLA cannot schedule a
-  # write before the loop's reads (which would copy ``values``).
-  lanes = jnp.arange(index.max_probes)
-  back = (found - 1 - lanes) & (cap - 1)
-  back = jnp.where(lanes < num_cleared, back, cap)
-  slots = jnp.concatenate([jnp.where(do, found, cap)[None], back])
-  fill = jnp.concatenate(
-    [
-      jnp.where(clear, EMPTY, TOMBSTONE)[None].astype(jnp.int32),
-      jnp.full((index.max_probes,), EMPTY, jnp.int32),
-    ]
+  num_cleared, values = jax.lax.while_loop(
+    cond, body, (jnp.int32(0), index.values)
+  )
+  # The loop never reaches ``found`` (fewer than ``max_probes <= C`` steps
+  # back), so writing it last is the same as writing it first.
+  values = values.at[jnp.where(do, found, cap)].set(
+    jnp.where(clear, EMPTY, TOMBSTONE).astype(jnp.int32), mode="drop"
   )
   return index.replace(
-    values=index.values.at[slots].set(fill, mode="drop"),
+    values=values,
     count=index.count - do.astype(jnp.int32),
     num_tombstones=index.num_tombstones
     + (do & ~clear).astype(jnp.int32)
