@@ -154,8 +154,8 @@ def barrier(anchor: jax.Array, *values):
   return jax.tree.unflatten(tree, list(out))
 
 
-def kernel(anchor: jax.Array, fn, carry):
-  """``fn(carry)``, run as the one iteration of a while loop.
+def kernel(anchor: jax.Array, fn, carry, *args):
+  """``fn(carry, *args)``, run as the one iteration of a while loop.
 
   XLA:CPU runs each fused operation of a program as a thunk of its own
   (tens of nanoseconds each, more for loops and conditionals), except a
@@ -163,21 +163,36 @@ def kernel(anchor: jax.Array, fn, carry):
   ``HloCostAnalysis``; no scatter, sort or custom call inside), which it
   compiles into one kernel. Wrapping a short scalar computation (a cache
   verb's per-block step) this way makes it one thunk. The trip count is
-  opaque (see :func:`barrier`), so XLA cannot unroll the loop away.
+  opaque (see :func:`barrier`), so XLA cannot unroll the loop away, and
+  ``args`` (integer or bool arrays) enter through the loop counter, so
+  XLA cannot hoist the work that reads them out of the loop as invariant.
 
   Args:
     anchor: an int32 scalar computed at run time that is never -7.
-    fn: ``carry -> carry`` (the same structure, shapes and dtypes).
+    fn: ``(carry, *args) -> carry`` (the same structure, shapes and
+      dtypes).
     carry: a pytree of arrays: what ``fn`` changes, in place.
+    *args: arrays ``fn`` reads (values, not what it writes).
 
   Returns:
-    ``fn(carry)``.
+    ``fn(carry, *args)``.
   """
   opaque_one = (anchor != -7).astype(jnp.int32)
+
+  def body(c):
+    # ``zero`` is 0 (the only iteration has counter 0), but XLA cannot
+    # tell: the counter times a value it does not know.
+    zero = c[0] * opaque_one
+    tainted = jax.tree.map(
+      lambda x: (
+        x != (zero != 0) if x.dtype == jnp.bool_ else x + zero.astype(x.dtype)
+      ),
+      args,
+    )
+    return c[0] + 1, fn(c[1], *tainted)
+
   _, out = jax.lax.while_loop(
-    lambda c: c[0] < opaque_one,
-    lambda c: (c[0] + 1, fn(c[1])),
-    (jnp.int32(0), carry),
+    lambda c: c[0] < opaque_one, body, (jnp.int32(0), carry)
   )
   return out
 

@@ -115,12 +115,14 @@ def evict_block(state: PrefixCacheState, block, ok):
   # below, as a barrier would).
   none = jnp.int32(NO_BLOCK)
   idx, nxt, prv, has = kernel(
-    state.paging.free_head, unlink, (state.index, none, none, jnp.bool_(False))
+    state.paging.free_head,
+    unlink,
+    (state.index, none, none, jnp.bool_(False)),
   )
-  one = has.astype(jnp.int32)
 
-  def forget(c):
+  def forget(c, block, nxt, prv, has):
     dup_next, dup_prev, block_hash, published, stats = c
+    one = has.astype(jnp.int32)
     relink = has & ~(nxt == block)
     dup_next = scatter(dup_next, prv[None], nxt, relink)
     dup_prev = scatter(dup_prev, nxt[None], prv, relink)
@@ -147,7 +149,12 @@ def evict_block(state: PrefixCacheState, block, ok):
       state.paging.published,
       state.stats,
     ),
+    block,
+    nxt,
+    prv,
+    has,
   )
+  one = has.astype(jnp.int32)
   state = state.replace(
     paging=state.paging.replace(published=published),
     index=idx,
