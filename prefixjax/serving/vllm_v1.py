@@ -540,7 +540,7 @@ def _update_from_output(st, c, reqs, params, scheduler):
     cache, rel = pc.release(cache, slots[order[j]])
     return j + 1, cache, bad | (rel.status != Status.OK)
 
-  _, cache, bad = jax.lax.while_loop(
+  released, cache, bad = jax.lax.while_loop(
     lambda carry: carry[0] < count,
     body,
     (jnp.int32(0), st.cache, jnp.bool_(False)),
@@ -551,7 +551,9 @@ def _update_from_output(st, c, reqs, params, scheduler):
     num_tokens=scatter(st.num_tokens, rids, tokens, sample),
     num_output=scatter(st.num_output, rids, outputs, sample),
     status=scatter(st.status, rids, jnp.int32(ReqStatus.FINISHED), done),
-    slot=scatter(st.slot, rids, NONE, done),
+    # After the loop (``released`` is ``count``, never negative): the loop
+    # reads the old slots, and XLA would copy the [R] array otherwise.
+    slot=scatter(st.slot, rids, NONE, done & (released >= 0)),
     finish_step=scatter(st.finish_step, rids, st.step, done),
     error=jnp.where(bad, jnp.int32(SimStatus.CACHE_ERROR), st.error),
   )
@@ -660,15 +662,21 @@ def complete(
   sched_state = scheduler.on_step(
     st.sched_state, view(st, reqs), rids, n, kinds, decode, sampled, lanes
   )
+  prefill_steps = scatter(
+    st.prefill_steps, rids, gather(st.prefill_steps, rids) + 1, prefill
+  )
+  prefill_tokens = jnp.sum(jnp.where(prefill, n, 0))
+  decode_tokens = jnp.sum(jnp.where(decode, n, 0))
+  # After every read of the old flags (through values that are never
+  # negative), or XLA copies the [R] array to keep it.
+  after = gather(prefill_steps, rids, 0) + prefill_tokens + decode_tokens >= 0
   st = st.replace(
     sched_state=sched_state,
     sched_steps=scatter(
       st.sched_steps, rids, gather(st.sched_steps, rids) + 1, lanes
     ),
-    prefill_steps=scatter(
-      st.prefill_steps, rids, gather(st.prefill_steps, rids) + 1, prefill
-    ),
-    sampled_last=scatter(st.sampled_last, rids, sampled, lanes),
+    prefill_steps=prefill_steps,
+    sampled_last=scatter(st.sampled_last, rids, sampled, lanes & after),
     first_token_step=scatter(st.first_token_step, rids, st.step, first_tok),
   )
   record = StepRecord(
@@ -682,8 +690,8 @@ def complete(
     num_waiting=st.num_waiting,
     free_blocks=free_blocks,
     free_blocks_end=st.cache.paging.num_free,
-    prefill_tokens=jnp.sum(jnp.where(prefill, n, 0)),
-    decode_tokens=jnp.sum(jnp.where(decode, n, 0)),
+    prefill_tokens=prefill_tokens,
+    decode_tokens=decode_tokens,
     pc_hits=c["pc_hits"],
     pc_queries=c["pc_queries"],
     frag_tokens=frag.astype(jnp.int32),
