@@ -261,6 +261,20 @@ def test_many_keys_with_churn(rng, max_load, max_probes, max_refused):
     todo = rng.choice(np.nonzero(~live)[0], size=n // 2, replace=False)
   got = np.asarray(index.lookup(idx, jnp.asarray(keys)))
   np.testing.assert_array_equal(got, np.where(live, values, -1))
+  # lookup_run: lookup's values up to the first absent key (or the limit).
+  run_of = jax.jit(index.lookup_run)
+  for start in rng.choice(len(keys) - 64, size=40, replace=False):
+    rows = keys[start : start + 64].copy()
+    present = np.nonzero(live[start : start + 64])[0]
+    rows[: len(present)] = keys[start + present]  # a longer run of hits
+    want = np.asarray(index.lookup(idx, jnp.asarray(rows)))
+    for limit in (0, 1, 17, 64):
+      out, run = run_of(idx, jnp.asarray(rows), jnp.int32(limit))
+      stop = np.concatenate([np.nonzero(want[:limit] < 0)[0], [limit]])[0]
+      assert int(run) == stop
+      np.testing.assert_array_equal(
+        np.asarray(out), np.where(np.arange(64) < stop, want, -1)
+      )
   assert refused <= max_refused * 3 * n, refused
   # Tombstones stay bounded under churn.
   assert int(idx.num_tombstones) < idx.capacity // 4

@@ -130,6 +130,9 @@ class Pair:
     """Hit tokens of a prompt on both sides (no state change)."""
     keys = _device_keys(prompt, salt)
     got = pc.match(self.state, keys, len(prompt))
+    in_order = pc.match_in_order(self.state, keys, len(prompt))
+    for a, b in zip(got, in_order, strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     _, want = self.oracle.peek_computed_blocks(
       [int(t) for t in prompt], extra=(salt, self.version)
     )

@@ -147,6 +147,7 @@ __all__ = [
   "init",
   "invalidate",
   "match",
+  "match_in_order",
   "num_pinned",
   "publish",
   "publish_block",
@@ -171,6 +172,28 @@ def _match_versioned(
   run = jnp.cumprod((lanes & (values >= 0)).astype(jnp.int32)) > 0
   num_hits = jnp.sum(run.astype(jnp.int32))
   hits = jnp.where(run, values, NO_BLOCK)
+  return MatchResult(hits, num_hits, num_hits * k)
+
+
+def _match_in_order(
+  state: PrefixCacheState, vkeys: jax.Array, num_prompt_tokens
+):
+  """:func:`_match_versioned` through :func:`index.lookup_run` (the same
+  result: only the run of hits from the first block counts)."""
+  k, m = state.block_size, state.max_blocks_per_seq
+  max_hits = jnp.clip((num_prompt_tokens - 1) // k, 0, m)
+  hits, num_hits = index_lib.lookup_run(state.index, vkeys, max_hits)
+  return MatchResult(hits, num_hits, num_hits * k)
+
+
+def _cap_match(state: PrefixCacheState, hit: MatchResult, num_prompt_tokens):
+  """``hit`` (a match over at least ``num_prompt_tokens`` tokens) capped
+  to ``num_prompt_tokens``: the match over that many (its lookups are a
+  prefix of ``hit``'s)."""
+  k, m = state.block_size, state.max_blocks_per_seq
+  max_hits = jnp.clip((num_prompt_tokens - 1) // k, 0, m)
+  num_hits = jnp.minimum(hit.num_hit_blocks, max_hits)
+  hits = jnp.where(jnp.arange(m) < num_hits, hit.hit_blocks, NO_BLOCK)
   return MatchResult(hits, num_hits, num_hits * k)
 
 
@@ -225,8 +248,25 @@ def match(state, block_keys, num_prompt_tokens):
 
 
 @jax.jit
+def match_in_order(state, block_keys, num_prompt_tokens):
+  """:func:`match` for one prompt, probing its blocks in order.
+
+  The same result as :func:`match`, through
+  :func:`prefixjax.cache.index.lookup_run`: it stops at the first block
+  that misses, in one loop that XLA:CPU compiles into one kernel, where
+  :func:`match` probes every block until the slowest is decided. Prefer
+  :func:`match` under ``jax.vmap``.
+
+  Returns:
+    A :class:`MatchResult`.
+  """
+  _check_keys(state, block_keys)
+  return _match_in_order(state, versioned(state, block_keys), num_prompt_tokens)
+
+
+@jax.jit
 def allocate_with_prefix(
-  state, seq_id, block_keys, num_prompt_tokens, next_use=None
+  state, seq_id, block_keys, num_prompt_tokens, next_use=None, hit=None
 ):
   """Starts ``seq_id`` on a prompt, reusing its cached prefix.
 
@@ -246,6 +286,10 @@ def allocate_with_prefix(
     next_use: optional ``[M]`` int32 per block, passed to the policy hook
       (``belady``: the step the block's key is next used; default
       :data:`prefixjax.cache.policies.NEVER`).
+    hit: optional, the :class:`MatchResult` of :func:`match` (or
+      :func:`match_in_order`) of these keys on this state for at least
+      ``num_prompt_tokens`` tokens; the verb then caps it instead of
+      matching again (the same result).
 
   Returns:
     ``(new_state, PrefixAllocateResult)``. ``OUT_OF_BLOCKS`` when the fresh
@@ -268,7 +312,12 @@ def allocate_with_prefix(
   if next_use is None:
     next_use = jnp.full((m,), policies_lib.NEVER, jnp.int32)
   pstate = state.paging
-  hit = _match_versioned(state, versioned(state, block_keys), num_prompt_tokens)
+  if hit is None:
+    hit = _match_versioned(
+      state, versioned(state, block_keys), num_prompt_tokens
+    )
+  else:
+    hit = _cap_match(state, MatchResult(*hit), num_prompt_tokens)
   total = paging.blocks_for(num_prompt_tokens, k)
   num_new = jnp.maximum(total - hit.num_hit_blocks, 0)
   lanes = jnp.arange(m)

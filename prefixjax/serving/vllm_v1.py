@@ -443,7 +443,8 @@ def _waiting_phase(c, reqs, params, threshold, scheduler):
     rid, wpos = _waiting_head(st, reqs, scheduler, key)
     keys = get_row(reqs.keys, rid)
     total = at(st.num_tokens, rid)
-    hit = pc.match(st.cache, keys, total)
+    # One prompt: its blocks probed in order, in one kernel.
+    hit = pc.match_in_order(st.cache, keys, total)
     h = hit.hit_tokens
     n = cap(total - h, threshold)
     too_big = (~params.chunked_prefill) & (n > budget)
@@ -463,7 +464,7 @@ def _waiting_phase(c, reqs, params, threshold, scheduler):
     go = (~too_big) & (needed <= pstate.num_free)
     slot = jnp.argmin(pstate.active).astype(jnp.int32)
     cache, r = pc.allocate_with_prefix(
-      st.cache, jnp.where(go, slot, NONE), keys, h + n
+      st.cache, jnp.where(go, slot, NONE), keys, h + n, hit=hit
     )
     ok = go & (r.status == Status.OK)
     bad = (go & (r.status != Status.OUT_OF_BLOCKS) & ~ok) | (
