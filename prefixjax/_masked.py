@@ -154,7 +154,7 @@ def barrier(anchor: jax.Array, *values):
   return jax.tree.unflatten(tree, list(out))
 
 
-def kernel(anchor: jax.Array, fn, carry, *args):
+def kernel(fn, carry, *args):
   """``fn(carry, *args)``, run as the one iteration of a while loop.
 
   XLA:CPU runs each fused operation of a program as a thunk of its own
@@ -163,12 +163,12 @@ def kernel(anchor: jax.Array, fn, carry, *args):
   ``HloCostAnalysis``; no scatter, sort or custom call inside), which it
   compiles into one kernel. Wrapping a short scalar computation (a cache
   verb's per-block step) this way makes it one thunk. The trip count is
-  opaque (see :func:`barrier`), so XLA cannot unroll the loop away, and
-  ``args`` (integer or bool arrays) enter through the loop counter, so
-  XLA cannot hoist the work that reads them out of the loop as invariant.
+  opaque (an optimization barrier over 1), so XLA cannot unroll the loop
+  away, and ``args`` (integer or bool arrays) enter through the loop
+  counter, so XLA cannot hoist the work that reads them out of the loop as
+  invariant.
 
   Args:
-    anchor: an int32 scalar computed at run time that is never -7.
     fn: ``(carry, *args) -> carry`` (the same structure, shapes and
       dtypes).
     carry: a pytree of arrays: what ``fn`` changes, in place.
@@ -177,7 +177,11 @@ def kernel(anchor: jax.Array, fn, carry, *args):
   Returns:
     ``fn(carry, *args)``.
   """
-  opaque_one = (anchor != -7).astype(jnp.int32)
+  # 1, but opaque to XLA (so it keeps the loop), and never batched: under
+  # ``vmap`` a trip count read from the inputs made the loop select its
+  # whole carry between old and new on every call (16 vmapped engine
+  # configurations 15.3 s -> 10.0 s, benchmarks/RESULTS.md).
+  opaque_one = jax.lax.optimization_barrier(jnp.int32(1))
 
   def body(c):
     # ``zero`` is 0 (the only iteration has counter 0), but XLA cannot

@@ -115,7 +115,6 @@ def evict_block(state: PrefixCacheState, block, ok):
   # below, as a barrier would).
   none = jnp.int32(NO_BLOCK)
   idx, nxt, prv, has = kernel(
-    state.paging.free_head,
     unlink,
     (state.index, none, none, jnp.bool_(False)),
   )
@@ -140,7 +139,6 @@ def evict_block(state: PrefixCacheState, block, ok):
     return dup_next, dup_prev, block_hash, published, stats
 
   dup_next, dup_prev, block_hash, published, stats = kernel(
-    block,
     forget,
     (
       state.dup_next,

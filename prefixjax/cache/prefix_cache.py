@@ -481,7 +481,7 @@ def append_block(state, seq_id):
 
   # One kernel (see prefixjax._masked.kernel), then the eviction's two.
   pstate, status = kernel(
-    seq_id, pop, (state.paging, jnp.int32(Status.OK)), seq_id, block
+    pop, (state.paging, jnp.int32(Status.OK)), seq_id, block
   )
   state, _ = evict_block(
     state.replace(paging=pstate), block, status == Status.OK
@@ -522,7 +522,6 @@ def publish_block(state, seq_id, col, block_key):
     return key, block, status
 
   key, block, status = kernel(
-    seq_id,
     find,
     (jnp.zeros((2,), jnp.uint32), jnp.int32(0), jnp.int32(Status.OK)),
     seq_id,
@@ -592,7 +591,6 @@ def _publish_one(state: PrefixCacheState, block, key, ok):
 
   none = jnp.int32(NO_BLOCK)
   idx, status, head, tail = kernel(
-    state.paging.free_head,
     insert,
     (state.index, none, none, none),
     block,
@@ -628,7 +626,6 @@ def _publish_one(state: PrefixCacheState, block, key, ok):
     return dup_next, dup_prev, block_hash, published, stats
 
   dup_next, dup_prev, block_hash, published, stats = kernel(
-    block,
     link,
     (
       state.dup_next,
