@@ -8,7 +8,8 @@ Mooncake points compiled ten of them (1.83 s before, 1.69 s after, medians
 of 10 whole processes, benchmarks/RESULTS.md). These tests
 watch JAX's own compile log (``jax.log_compiles``) during one call on a
 trace of a random size, after ``jax.clear_caches()`` (bucketed shapes
-make a program an earlier test compiled likely), and fail on any
+make a program an earlier test compiled likely; the replay frame's
+own executables are dropped too), and fail on any
 compiled program that is not one of ours.
 """
 
@@ -36,9 +37,11 @@ _COMPILING = re.compile(r"Compiling jit\((\w+)\)")
 
 def _compiled(caplog, fn) -> list[str]:
   # Bucketed shapes (powers of two) make a program compiled by an earlier
-  # test in this worker likely; drop every in-process cache so the call
-  # compiles (and logs) all of its programs again.
+  # test in this worker likely; drop every in-process cache (JAX's and the
+  # replay frame's compiled executables) so the call compiles (and logs)
+  # all of its programs again.
   jax.clear_caches()
+  rp.clear_compiled()
   caplog.clear()
   with caplog.at_level(logging.DEBUG), jax.log_compiles(True):
     fn()

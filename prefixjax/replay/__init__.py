@@ -68,6 +68,7 @@ from prefixjax.replay.frame import (
   ReplayResult,
   Timing,
   check_capacities,
+  clear_compiled,
   execute,
   resolve_policy,
 )
@@ -95,6 +96,7 @@ __all__ = [
   "ReplayPoint",
   "ReplayResult",
   "Timing",
+  "clear_compiled",
   "default_block_size",
   "get_engine",
   "plan_trace",

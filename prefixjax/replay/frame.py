@@ -278,6 +278,14 @@ _COMPILED: collections.OrderedDict = collections.OrderedDict()
 _MAX_COMPILED = 16
 
 
+def clear_compiled() -> None:
+  """Forgets the compiled replay programs this process keeps. With
+  ``jax.clear_caches()`` (JAX's own in-process caches) the next replay
+  compiles its programs again: to time a compile, or to watch JAX's
+  compile log. The persistent compilation cache on disk is untouched."""
+  _COMPILED.clear()
+
+
 @functools.cache
 def _jitted(run: Callable, static_names: tuple[str, ...]):
   return jax.jit(run, static_argnames=static_names)
