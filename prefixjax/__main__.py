@@ -1,3 +1,3 @@
-from prefixjax.cli import main
+from prefixjax.cli import run
 
-raise SystemExit(main())
+run()

@@ -16,11 +16,16 @@ Bad arguments and bad input files exit with status 2 and a one-line message;
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
 
 EXIT_USAGE = 2
+
+# True in the console script's own process (:func:`run`), False when
+# :func:`main` is called from other code (a test, a notebook).
+_OWN_PROCESS = False
 
 
 class CliError(Exception):
@@ -69,7 +74,13 @@ def _add_compile_cache(parser) -> None:
 def _use_compile_cache(args) -> None:
   from prefixjax.compile_cache import enable_compile_cache
 
-  enable_compile_cache(args.compile_cache)
+  enable_compile_cache(args.compile_cache)  # imports jax
+  if _OWN_PROCESS:
+    # The modules just imported (jax's tens of thousands of objects) live
+    # as long as the process: out of the garbage collector's walks, which
+    # tracing triggers often (a warm replay of the 12 Mooncake points
+    # 0.03-0.05 s faster here).
+    gc.freeze()
 
 
 def _add_demo(subparsers) -> None:
@@ -1143,7 +1154,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-  """Entry point of the ``prefixjax`` console script."""
+  """Runs one command line; returns its exit status."""
   parser = build_parser()
   args = parser.parse_args(argv)
   if args.command is None:
@@ -1158,5 +1169,21 @@ def main(argv=None) -> int:
     return EXIT_USAGE
 
 
+def run() -> None:
+  """The ``prefixjax`` console script (and ``python -m prefixjax``):
+  :func:`main` in a process of its own, which then exits with its status.
+
+  Python's last garbage collections at exit walk every object JAX left
+  behind: 0.10 s of a 1.3 s warm replay on this 2-core CPU.
+  ``gc.freeze()`` moves those objects out of their way first. Nothing is
+  skipped: exit handlers, thread joins and file flushes run as usual.
+  """
+  global _OWN_PROCESS
+  _OWN_PROCESS = True
+  status = main()
+  gc.freeze()
+  sys.exit(status)
+
+
 if __name__ == "__main__":
-  sys.exit(main())
+  run()

@@ -98,6 +98,50 @@ def test_console_script_help_lists_subcommands():
   assert "demo" in result.stdout
 
 
+def test_python_m_prefixjax_runs_a_command_in_its_own_process(tmp_path, rng):
+  """``python -m prefixjax`` (the console script's :func:`cli.run`): a
+  replay's JSON equals the library's, bad input exits 2 with the one-line
+  message, and the process exits cleanly after ``gc.freeze``."""
+  trace = tmp_path / "t.jsonl"
+  rows = []
+  for _ in range(int(rng.integers(4, 9))):
+    steps = rng.integers(1, 3, int(rng.integers(1, 5)))
+    ids = [int(x) for x in np.cumsum(steps)]
+    rows.append((ids, 10 * len(ids) - int(rng.integers(0, 10))))
+  trace.write_text(
+    "".join(
+      json.dumps(
+        dict(timestamp=i, input_length=n, output_length=1, hash_ids=ids)
+      )
+      + "\n"
+      for i, (ids, n) in enumerate(rows)
+    )
+  )
+  out = tmp_path / "r.json"
+  argv = [sys.executable, "-m", "prefixjax", "replay", "--trace", str(trace)]
+  argv += ["--block-size", "10", "--capacity", "2", "5", "--policy", "fifo"]
+  env = {**os.environ, "PREFIXJAX_COMPILE_CACHE": "off"}
+  done = subprocess.run(
+    [*argv, "--json", str(out)], capture_output=True, text=True, env=env
+  )
+  assert done.returncode == 0, done.stderr
+  plan = replay.prepare_replay(
+    [r[0] for r in rows], [r[1] for r in rows], block_size=10
+  )
+  want = replay.replay(plan, policy="fifo", capacities=[2, 5])
+  got = json.loads(out.read_text())["points"]
+  assert [p["hit_tokens"] for p in got] == [w.hit_tokens for w in want]
+  bad = subprocess.run(
+    [*argv, "--json", str(tmp_path / "no" / "such" / "dir" / "r.jsonx")],
+    capture_output=True,
+    text=True,
+    env=env,
+  )
+  assert bad.returncode == 2
+  assert bad.stderr.startswith("prefixjax replay: error:"), bad.stderr
+  assert "Traceback" not in bad.stderr
+
+
 def test_cli_replay_json_matches_library(tmp_path, capsys):
   trace = tmp_path / "t.jsonl"
   rows = [([1, 2], 20), ([1, 2, 3], 30), ([1, 4], 17), ([1, 2, 3], 24)]
