@@ -351,7 +351,9 @@ def load_mooncake(
     np.asarray(times, np.float64),
     np.asarray(inputs, np.int64),
     np.asarray(outputs, np.int64),
-    hash_ids=[np.asarray(ids, np.int64) for ids in hash_ids],
+    # Lists of checked ints: Trace packs them into one flat array at once
+    # (a row at a time was 0.04 s of the 12,031-line Mooncake trace).
+    hash_ids=hash_ids,
     hash_block_size=block_size,
     name=_trace_name(path),
     source=str(path),
@@ -422,9 +424,9 @@ def load_token_trace(path: PathLike, *, limit: int | None = None) -> Trace:
           f"len(output_tok_ids) = {len(answer)} but output_toks = "
           f"{output_length}",
         )
-      output_ids.append(np.asarray(answer, np.int32))
+      output_ids.append(answer)  # checked ints; Trace packs them flat
     times.append(arrival / 1e9)
-    inputs.append(np.asarray(ids, np.int32))
+    inputs.append(ids)
     outputs.append(output_length)
   return Trace(
     np.asarray(times, np.float64),

@@ -236,14 +236,16 @@ class Trace:
       raise ValueError(f"hash_block_size={block_size} must be positive")
     object.__setattr__(self, "hash_block_size", int(block_size))
     rows = _as_ragged("hash_ids", self.hash_ids, np.int64, size)
-    for i, row in enumerate(rows):
+    lengths = np.fromiter(map(len, rows), np.int64, size)
+    wrong = np.flatnonzero(lengths != -(-self.input_lengths // block_size))
+    if wrong.size:
+      i = int(wrong[0])
       expected = -(-int(self.input_lengths[i]) // block_size)
-      if row.shape[0] != expected:
-        raise ValueError(
-          f"len(hash_ids[{i}]) = {row.shape[0]} but input_lengths[{i}] = "
-          f"{int(self.input_lengths[i])} needs ceil("
-          f"{int(self.input_lengths[i])} / {block_size}) = {expected} blocks"
-        )
+      raise ValueError(
+        f"len(hash_ids[{i}]) = {rows[i].shape[0]} but input_lengths[{i}] = "
+        f"{int(self.input_lengths[i])} needs ceil("
+        f"{int(self.input_lengths[i])} / {block_size}) = {expected} blocks"
+      )
     object.__setattr__(self, "hash_ids", rows)
 
   def __repr__(self) -> str:
