@@ -34,8 +34,10 @@ from prefixjax.cache.paging import push_free_head
 from prefixjax.cache.prefix_state import (
   PrefixCacheState,
   add_stats,
+  identity_of,
   settle,
   uses_tree,
+  with_identity,
 )
 
 __all__ = [
@@ -138,29 +140,9 @@ def evict_block(state: PrefixCacheState, block, ok):
     )
     return dup_next, dup_prev, block_hash, published, stats
 
-  dup_next, dup_prev, block_hash, published, stats = kernel(
-    forget,
-    (
-      state.dup_next,
-      state.dup_prev,
-      state.block_hash,
-      state.paging.published,
-      state.stats,
-    ),
-    block,
-    nxt,
-    prv,
-    has,
-  )
+  identity = kernel(forget, identity_of(state), block, nxt, prv, has)
   one = has.astype(jnp.int32)
-  state = state.replace(
-    paging=state.paging.replace(published=published),
-    index=idx,
-    block_hash=block_hash,
-    dup_next=dup_next,
-    dup_prev=dup_prev,
-    stats=stats,
-  )
+  state = with_identity(state, identity, idx)
   if state.policy.leaf_only:
     state = _unlink_parent(state, block, has)
   state = refresh_tree(state, block[None], has[None])

@@ -40,11 +40,13 @@ __all__ = [
   "PublishResult",
   "add_stats",
   "check_state",
+  "identity_of",
   "init",
   "settle",
   "uses_tree",
   "versioned",
   "vllm_free_order",
+  "with_identity",
 ]
 
 _INT32_MAX = 2**31 - 1
@@ -357,6 +359,35 @@ def add_stats(stats: CacheStats, **deltas) -> CacheStats:
   """``stats`` with each named counter raised by its delta (saturating)."""
   return stats.replace(
     **{k: _sat_add(getattr(stats, k), v) for k, v in deltas.items()}
+  )
+
+
+def identity_of(state: PrefixCacheState) -> tuple:
+  """The fields that hold the blocks' identities, ``(dup_next, dup_prev,
+  block_hash, published, stats)``: the carry of a kernel
+  (:func:`prefixjax._masked.kernel`) that publishes or forgets a block;
+  :func:`with_identity` puts them back."""
+  return (
+    state.dup_next,
+    state.dup_prev,
+    state.block_hash,
+    state.paging.published,
+    state.stats,
+  )
+
+
+def with_identity(
+  state: PrefixCacheState, identity: tuple, index: index_lib.IndexState
+) -> PrefixCacheState:
+  """``state`` with the fields of :func:`identity_of` and ``index``."""
+  dup_next, dup_prev, block_hash, published, stats = identity
+  return state.replace(
+    paging=state.paging.replace(published=published),
+    index=index,
+    block_hash=block_hash,
+    dup_next=dup_next,
+    dup_prev=dup_prev,
+    stats=stats,
   )
 
 
