@@ -98,6 +98,19 @@ def test_console_script_help_lists_subcommands():
   assert "demo" in result.stdout
 
 
+def _write_mooncake(path, rows):
+  """A Mooncake-format JSONL of ``(hash_ids, input_length, output_length)``."""
+  path.write_text(
+    "".join(
+      json.dumps(
+        dict(timestamp=i, input_length=n, output_length=o, hash_ids=ids)
+      )
+      + "\n"
+      for i, (ids, n, o) in enumerate(rows)
+    )
+  )
+
+
 def test_python_m_prefixjax_runs_a_command_in_its_own_process(tmp_path, rng):
   """``python -m prefixjax`` (the console script's :func:`cli.run`): a
   replay's JSON equals the library's, bad input exits 2 with the one-line
@@ -108,15 +121,7 @@ def test_python_m_prefixjax_runs_a_command_in_its_own_process(tmp_path, rng):
     steps = rng.integers(1, 3, int(rng.integers(1, 5)))
     ids = [int(x) for x in np.cumsum(steps)]
     rows.append((ids, 10 * len(ids) - int(rng.integers(0, 10))))
-  trace.write_text(
-    "".join(
-      json.dumps(
-        dict(timestamp=i, input_length=n, output_length=1, hash_ids=ids)
-      )
-      + "\n"
-      for i, (ids, n) in enumerate(rows)
-    )
-  )
+  _write_mooncake(trace, [(ids, n, 1) for ids, n in rows])
   out = tmp_path / "r.json"
   argv = [sys.executable, "-m", "prefixjax", "replay", "--trace", str(trace)]
   argv += ["--block-size", "10", "--capacity", "2", "5", "--policy", "fifo"]
@@ -145,15 +150,7 @@ def test_python_m_prefixjax_runs_a_command_in_its_own_process(tmp_path, rng):
 def test_cli_replay_json_matches_library(tmp_path, capsys):
   trace = tmp_path / "t.jsonl"
   rows = [([1, 2], 20), ([1, 2, 3], 30), ([1, 4], 17), ([1, 2, 3], 24)]
-  trace.write_text(
-    "".join(
-      json.dumps(
-        dict(timestamp=i, input_length=n, output_length=1, hash_ids=ids)
-      )
-      + "\n"
-      for i, (ids, n) in enumerate(rows)
-    )
-  )
+  _write_mooncake(trace, [(ids, n, 1) for ids, n in rows])
   out = tmp_path / "r.json"
   argv = ["replay", "--trace", str(trace), "--block-size", "10"]
   argv += ["--capacity", "2", "8", "--policy", "fifo", "lru_leaf"]
@@ -216,19 +213,6 @@ def test_cli_debug_shows_the_exception(tmp_path):
 
   with pytest.raises(TraceFormatError):
     cli.main(["replay", "--trace", str(trace), "--debug"])
-
-
-def _write_mooncake(path, rows):
-  """A Mooncake-format JSONL of ``(hash_ids, input_length, output_length)``."""
-  path.write_text(
-    "".join(
-      json.dumps(
-        dict(timestamp=i, input_length=n, output_length=o, hash_ids=ids)
-      )
-      + "\n"
-      for i, (ids, n, o) in enumerate(rows)
-    )
-  )
 
 
 def test_cli_replay_sglang_semantics_equals_oracle(tmp_path, capsys, rng):
