@@ -1014,6 +1014,8 @@ def _cmd_simulate(args) -> int:
   config = _check_simulate_args(args)
   _use_compile_cache(args)
 
+  import time
+
   from prefixjax import serving
   from prefixjax.workloads import (
     default_workload,
@@ -1021,6 +1023,7 @@ def _cmd_simulate(args) -> int:
     load_trace,
   )
 
+  start = time.perf_counter()
   n = args.requests or 200  # a generated workload's size
   if args.trace:
     trace = load_trace(args.trace, args.format, limit=args.requests)
@@ -1037,6 +1040,9 @@ def _cmd_simulate(args) -> int:
     trace = generate_workload(args.workload, num_requests=n, seed=args.seed)
   else:
     trace = default_workload(num_requests=n, seed=args.seed)
+  load_s = time.perf_counter() - start
+  print(_simulate_header(args, trace, config), flush=True)
+  start = time.perf_counter()
   result = serving.simulate(
     trace,
     config,
@@ -1051,6 +1057,7 @@ def _cmd_simulate(args) -> int:
       else {}
     ),
   )
+  run_s = time.perf_counter() - start
   if not result.ok:
     raise CliError(f"simulation ended with status {result.status}")
   metrics = result.metrics()
@@ -1074,14 +1081,20 @@ def _cmd_simulate(args) -> int:
       f"({'; '.join(why)})" + ("; nothing was simulated" if none else ""),
       "simulate",
     )
-  width = max(map(len, metrics))
-  for key, value in metrics.items():
-    shown = (
-      "-"
-      if value is None
-      else (f"{value:,.4f}" if isinstance(value, float) else f"{value:,}")
+  shown = {k: v for k, v in metrics.items() if v is not None}
+  width = max(map(len, shown))
+  for key, value in shown.items():
+    text = f"{value:,.4f}" if isinstance(value, float) else f"{value:,}"
+    print(f"{key:<{width}}  {text:>14}")
+  if len(shown) < len(metrics):
+    print(
+      f"({len(metrics) - len(shown)} metrics in seconds need times: pass "
+      "--step-time-ms MS or --clock roofline; --json writes them as null)"
     )
-    print(f"{key:<{width}}  {shown:>14}")
+  print(
+    f"load {load_s:.2f} s, compile and run {run_s:.2f} s "
+    f"({metrics['steps']:,} steps)"
+  )
   if args.json:
     with open(args.json, "w") as f:
       json.dump(metrics, f, indent=2)
@@ -1108,6 +1121,40 @@ def _cmd_simulate(args) -> int:
             line[key] = rec[key]
         f.write(json.dumps(line) + "\n")
   return 0
+
+
+def _simulate_header(args, trace, config) -> str:
+  """What ``prefixjax simulate`` is about to run, in one line."""
+  import jax
+
+  scheduler = config.scheduler
+  if not isinstance(scheduler, str):
+    scheduler = getattr(scheduler, "name", type(scheduler).__name__)
+  rules = {"vllm": "vLLM 0.33 scheduler", "sglang": "SGLang 0.5.23"}
+  if args.clock == "roofline":
+    from prefixjax.serving.simulate import DEFAULT_HARDWARE, DEFAULT_MODEL
+
+    model = args.model or DEFAULT_MODEL
+    clock = f"roofline clock ({model} on {args.hardware or DEFAULT_HARDWARE})"
+  elif args.step_time_ms is not None:
+    clock = f"steps of {args.step_time_ms:g} ms"
+  else:
+    clock = "steps clock"
+  arrivals = {
+    "zero": "every request arriving at step 0",
+    "trace": "arrivals at the trace's timestamps",
+    "poisson": f"Poisson arrivals at {args.rate or 0:g}/s",
+  }[args.arrivals]
+  return (
+    f"prefixjax simulate: {trace.name} ({len(trace):,} requests), "
+    f"{config.semantics} semantics ({rules[config.semantics]}), "
+    f"{scheduler} scheduler, {config.num_gpu_blocks - 1:,} blocks of "
+    f"{config.block_size} tokens, max_num_seqs {config.max_num_seqs}, "
+    f"max_num_batched_tokens {config.max_num_batched_tokens:,}, "
+    f"max_model_len {config.max_model_len:,}, chunked prefill "
+    f"{'on' if config.chunked_prefill else 'off'}, {clock}, {arrivals}, "
+    f"jax {jax.__version__} on {jax.default_backend()}"
+  )
 
 
 def _add_sweep(subparsers) -> None:

@@ -267,3 +267,43 @@ def test_a_length_only_trace_is_served_with_a_warning(tmp_path, capsys, rng):
   trace = pj.load_trace(str(path))
   with pytest.raises(ValueError, match="lengths only"):
     serving.simulate(trace, CONFIG)
+
+
+def test_the_table_says_what_ran_and_leaves_out_what_it_cannot_time(
+  tmp_path, capsys, rng
+):
+  blocks = int(rng.integers(120, 400))
+  seqs = int(rng.integers(2, 9))
+  out = tmp_path / "s.json"
+  flags = [*FLAGS, "--num-blocks", str(blocks), "--max-num-seqs", str(seqs)]
+  capsys.readouterr()  # the rng fixture's seed line
+  assert main(["simulate", *flags, "--json", str(out)]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  header = lines[0]
+  assert header.startswith("prefixjax simulate: multi_turn (8 requests)")
+  for part in (
+    "vllm semantics",
+    "fcfs scheduler",
+    f"{blocks:,} blocks of 16 tokens",
+    f"max_num_seqs {seqs},",
+    "chunked prefill on",
+    "steps clock",
+    "every request arriving at step 0",
+  ):
+    assert part in header, (part, header)
+  summary = json.loads(out.read_text())
+  untimed = [k for k, v in summary.items() if v is None]
+  assert untimed and all(k.endswith("_s") or "_s_" in k for k in untimed)
+  rows = {line.split()[0]: line.split()[1] for line in lines[1:-2]}
+  assert set(rows) == set(summary) - set(untimed)
+  assert rows["steps"] == f"{summary['steps']:,}"
+  assert lines[-2].startswith(f"({len(untimed)} metrics in seconds need")
+  assert lines[-1].startswith("load ") and lines[-1].endswith(
+    f"({summary['steps']:,} steps)"
+  )
+  # With a step time every metric has a value: no note.
+  assert main(["simulate", *flags, "--step-time-ms", "10"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert "steps of 10 ms" in lines[0]
+  assert len(lines[1:-1]) == len(summary)
+  assert not lines[-2].startswith("(")
