@@ -703,16 +703,23 @@ def _draw_series(ax, rows, xkey: str, default: str = "") -> tuple[list, bool]:
     )
     xs = [x for x, _, mode in points if mode != "underfilled"]
     ys = [y for _, y, mode in points if mode != "underfilled"]
+    # Each series' markers a size larger than the next one's, so a series
+    # with the same points as a later one (fifo and lru_leaf on a trace
+    # with little reuse) still shows around it instead of hiding under it.
+    line_kw = {
+      **_LINE,
+      "markersize": _LINE["markersize"] + 1.5 * (len(names) - 1 - i),
+    }
     if xs:
       (line,) = ax.plot(
-        xs, ys, label=str(name), clip_on=False, zorder=3, **_LINE, **style
+        xs, ys, label=str(name), clip_on=False, zorder=3, **line_kw, **style
       )
     else:
       # Only a legend entry: an empty unclipped line in the axes has an
       # infinite extent, and the layout then collapses the axes.
       from matplotlib.lines import Line2D
 
-      line = Line2D([], [], label=str(name), **_LINE, **style)
+      line = Line2D([], [], label=str(name), **line_kw, **style)
     handles.append(line)
     under = [x for x, _, mode in points if mode == "underfilled"]
     if under:

@@ -167,6 +167,32 @@ def test_every_series_has_its_own_marker_line_style_and_colour(rng):
   ]
 
 
+def test_equal_series_stay_visible_one_around_the_other(rng):
+  """Two policies with the very same points (fifo and lru_leaf on a trace
+  with little reuse): the earlier one's markers are drawn larger, so each
+  point shows both."""
+  caps = _capacities(rng, int(rng.integers(3, 7)))
+  k = int(rng.integers(2, 5))
+  same = _rows(rng, ["a"], caps)
+  rows = [dict(r, policy=f"p{i}") for i in range(k) for r in same]
+  fig = plots.hit_rate_figure(rows)
+  lines = [h for h in _legend(fig).legend_handles if h.get_label() != ""]
+  drawn = [
+    line
+    for line in fig.axes[0].get_lines()
+    if line.get_label() in {f"p{i}" for i in range(k)}
+  ]
+  assert [line.get_label() for line in drawn] == [f"p{i}" for i in range(k)]
+  assert all(
+    (line.get_xdata() == drawn[0].get_xdata()).all()
+    and (line.get_ydata() == drawn[0].get_ydata()).all()
+    for line in drawn
+  )
+  sizes = [line.get_markersize() for line in drawn]
+  assert all(a > b for a, b in zip(sizes[:-1], sizes[1:], strict=True)), sizes
+  assert len(lines) >= k
+
+
 def test_the_ceiling_is_a_labelled_dashed_line(rng):
   ceiling = float(rng.uniform(0.2, 0.6))
   caps = _capacities(rng, 4)
