@@ -14,8 +14,10 @@ through one compiled program (vmapped and sharded, or one by one).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -626,6 +628,27 @@ def _run_one(
   return dataclasses.replace(result, lanes_recorded=record_lanes)
 
 
+def _each_on_a_thread(fn, items) -> list:
+  """``[fn(x) for x in items]``, in order: the first alone, the rest on
+  one thread per core.
+
+  For configurations run one after another on a CPU (where vmapping them
+  costs more, see :func:`simulate_batch`): each run is a compiled loop on
+  one core, and JAX releases the GIL while it runs, so threads run
+  several at once (16 vLLM configurations of 200 requests: 0.53-0.56 s ->
+  0.41 s on 2 cores). Results do not depend on the threads: each run is
+  its own program call on its own inputs.
+  """
+  items = list(items)
+  workers = min(len(items) - 1, os.cpu_count() or 1)
+  if workers <= 1:
+    return [fn(x) for x in items]
+  # The first alone: it compiles the program the others reuse.
+  first = fn(items[0])
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    return [first, *pool.map(fn, items[1:])]
+
+
 @dataclasses.dataclass(frozen=True)
 class _Built:
   """One configuration's device inputs and host facts."""
@@ -1045,7 +1068,9 @@ def simulate_batch(
   ]
   b0 = builds[0]
   if not vectorize:
-    return [_run_one(b, max_steps, record_lanes=False) for b in builds]
+    return _each_on_a_thread(
+      lambda b: _run_one(b, max_steps, record_lanes=False), builds
+    )
 
   state, params, reqs = _stack(
     [(b.state, b.params, b.reqs.replace(keys=None)) for b in builds]
@@ -1098,13 +1123,15 @@ def _sglang_batch(
           "semantics='sglang' a batch shares it"
         )
   if not vectorize:
-    out = []
-    for c, dt, rt, sd in points:
+
+    def one(point):
+      c, dt, rt, sd = point
       res = _simulate_sglang(
         records, c, arrivals, dt, rt, sd, max_steps, clock, model, hardware
       )
-      out.append(dataclasses.replace(res, lanes_recorded=False))
-    return out
+      return dataclasses.replace(res, lanes_recorded=False)
+
+    return _each_on_a_thread(one, points)
   inputs, timer = [], None
   for c, dt, rt, sd in points:
     one, timer = _sglang_inputs(

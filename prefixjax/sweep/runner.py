@@ -33,6 +33,7 @@ written, each atomically.
 
 from __future__ import annotations
 
+import concurrent.futures
 import csv
 import dataclasses
 import io
@@ -189,6 +190,24 @@ def _replay_group(trace, points: Sequence[Point], devices=None):
       }
     )
   return rows, result.timing.compile_s, result.timing.run_s
+
+
+def _on_threads(fn, pieces):
+  """Yields ``(piece, fn(piece))`` as each call finishes, on one thread
+  per core. On an error the calls not started yet are cancelled and the
+  error is raised (the points recorded so far stay written)."""
+  workers = min(len(pieces), os.cpu_count() or 1)
+  if workers <= 1:
+    for g in pieces:
+      yield g, fn(g)
+    return
+  pool = concurrent.futures.ThreadPoolExecutor(workers)
+  try:
+    futures = {pool.submit(fn, g): i for i, g in enumerate(pieces)}
+    for future in concurrent.futures.as_completed(futures):
+      yield pieces[futures[future]], future.result()
+  finally:
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _cluster_group(trace, points: Sequence[Point], vectorize, devices):
@@ -475,40 +494,50 @@ def run_sweep(
   serial = spec.vectorize is False or (
     spec.vectorize is None and jax.default_backend() == "cpu"
   )
-  pieces = []
+  pieces, alone = [], []
   for g in todo:
     g = [p for p in g if p.key not in done]
     if g[0].mode == "simulate" and serial:
-      pieces += [[p] for p in g]
+      # The first point compiles the group's program, alone; the others
+      # reuse it on threads (below).
+      pieces.append(g[:1])
+      alone += [[p] for p in g[1:]]
     else:
       pieces.append(g)
+
+  def run_piece(g):
+    trace = traces[_workload_key(g[0])]
+    if g[0].mode == "replay":
+      return _replay_group(trace, g, None if serial else devices)
+    return _simulate_group(trace, g, spec.vectorize, devices)
+
+  def record(g, rows, compile_s, run_s):
+    timing.append(
+      {
+        "points": [p.index for p in g],
+        "mode": g[0].mode,
+        "compile_s": compile_s,
+        "run_s": run_s,
+      }
+    )
+    for p, metrics in zip(g, rows, strict=True):
+      row = {**_row_head(p), **metrics}
+      row = {k: _plain(v) for k, v in row.items()}
+      done[p.key] = row
+      if folder is not None:
+        _atomic_write(folder / f"{p.key}.json", json.dumps(row))
+    if bar is not None:
+      bar.update(len(g))
+
+  # The other serial simulate points run on a thread per core (each a
+  # compiled loop on one core, the GIL released while it runs), each
+  # recorded as soon as it is done, in whatever order they finish (rows
+  # are put in spec order at the end).
   try:
     for g in pieces:
-      trace = traces[_workload_key(g[0])]
-      if g[0].mode == "replay":
-        rows, compile_s, run_s = _replay_group(
-          trace, g, None if serial else devices
-        )
-      else:
-        rows, compile_s, run_s = _simulate_group(
-          trace, g, spec.vectorize, devices
-        )
-      timing.append(
-        {
-          "points": [p.index for p in g],
-          "mode": g[0].mode,
-          "compile_s": compile_s,
-          "run_s": run_s,
-        }
-      )
-      for p, metrics in zip(g, rows, strict=True):
-        row = {**_row_head(p), **metrics}
-        row = {k: _plain(v) for k, v in row.items()}
-        done[p.key] = row
-        if folder is not None:
-          _atomic_write(folder / f"{p.key}.json", json.dumps(row))
-      if bar is not None:
-        bar.update(len(g))
+      record(g, *run_piece(g))
+    for g, result in _on_threads(run_piece, alone):
+      record(g, *result)
   finally:
     if bar is not None:
       bar.close()
