@@ -9,12 +9,15 @@ cache to keep). Host preparation moves a dozen trace-sized arrays per
 call, so the engines' host sides use :func:`to_device` instead.
 
 :func:`shard_lanes` and :func:`replicate` place a batch of configurations
-(its leading axis) and what they share on several devices.
+(its leading axis) and what they share on several devices;
+:func:`thread_map` runs compiled calls side by side on a CPU's cores.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -61,3 +64,21 @@ def replicate(tree, devices):
 
   mesh = Mesh(np.asarray(list(devices)), ("all",))
   return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
+
+
+def thread_map(fn, items) -> list:
+  """``[fn(x) for x in items]``, in order, on one thread per core.
+
+  For compiled calls run one after another on a CPU (configurations or
+  capacities that vmapped cost more there): each is a loop on one core,
+  and JAX releases the GIL while it runs, so threads run several at once.
+  Each call is its own program run on its own inputs, so results do not
+  depend on the threads. Calls compiled already: the first call of a new
+  program compiles it on every thread that reaches it.
+  """
+  items = list(items)
+  workers = min(len(items), os.cpu_count() or 1)
+  if workers <= 1:
+    return [fn(x) for x in items]
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    return list(pool.map(fn, items))
