@@ -66,6 +66,14 @@ def replicate(tree, devices):
   return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
 
 
+def cores() -> int:
+  """The cores this process may run on (its affinity mask where the
+  system has one: a container's share, not the host's count)."""
+  if hasattr(os, "sched_getaffinity"):
+    return max(1, len(os.sched_getaffinity(0)))
+  return os.cpu_count() or 1
+
+
 def thread_map(fn, items) -> list:
   """``[fn(x) for x in items]``, in order, on one thread per core.
 
@@ -77,7 +85,7 @@ def thread_map(fn, items) -> list:
   program compiles it on every thread that reaches it.
   """
   items = list(items)
-  workers = min(len(items), os.cpu_count() or 1)
+  workers = min(len(items), cores())
   if workers <= 1:
     return [fn(x) for x in items]
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:

@@ -196,7 +196,9 @@ def _on_threads(fn, pieces):
   """Yields ``(piece, fn(piece))`` as each call finishes, on one thread
   per core. On an error the calls not started yet are cancelled and the
   error is raised (the points recorded so far stay written)."""
-  workers = min(len(pieces), os.cpu_count() or 1)
+  from prefixjax._host import cores
+
+  workers = min(len(pieces), cores())
   if workers <= 1:
     for g in pieces:
       yield g, fn(g)
