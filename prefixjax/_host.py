@@ -10,7 +10,8 @@ call, so the engines' host sides use :func:`to_device` instead.
 
 :func:`shard_lanes` and :func:`replicate` place a batch of configurations
 (its leading axis) and what they share on several devices;
-:func:`thread_map` runs compiled calls side by side on a CPU's cores.
+:func:`as_done_on_threads` and :func:`thread_map` run compiled calls side
+by side on a CPU's cores.
 """
 
 from __future__ import annotations
@@ -74,19 +75,34 @@ def cores() -> int:
   return os.cpu_count() or 1
 
 
-def thread_map(fn, items) -> list:
-  """``[fn(x) for x in items]``, in order, on one thread per core.
+def as_done_on_threads(fn, items):
+  """Yields ``(i, fn(items[i]))`` as each call finishes, on one thread per
+  core (in order on one core).
 
-  For compiled calls run one after another on a CPU (configurations or
-  capacities that vmapped cost more there): each is a loop on one core,
-  and JAX releases the GIL while it runs, so threads run several at once.
-  Each call is its own program run on its own inputs, so results do not
-  depend on the threads. Calls compiled already: the first call of a new
-  program compiles it on every thread that reaches it.
+  For compiled calls run one after another on a CPU (configurations that
+  vmapped cost more there): each is a loop on one core, and JAX releases
+  the GIL while it runs, so threads run several at once. Each call is its
+  own program run on its own inputs, so results do not depend on the
+  threads. Calls compiled already: the first call of a new program
+  compiles it on every thread that reaches it. On an error the calls not
+  started yet are cancelled and the error is raised.
   """
   items = list(items)
   workers = min(len(items), cores())
   if workers <= 1:
-    return [fn(x) for x in items]
-  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-    return list(pool.map(fn, items))
+    for i, x in enumerate(items):
+      yield i, fn(x)
+    return
+  pool = concurrent.futures.ThreadPoolExecutor(workers)
+  try:
+    futures = {pool.submit(fn, x): i for i, x in enumerate(items)}
+    for future in concurrent.futures.as_completed(futures):
+      yield futures[future], future.result()
+  finally:
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def thread_map(fn, items) -> list:
+  """``[fn(x) for x in items]``, in order, by :func:`as_done_on_threads`."""
+  out = dict(as_done_on_threads(fn, items))
+  return [out[i] for i in range(len(out))]

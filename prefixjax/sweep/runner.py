@@ -33,7 +33,6 @@ written, each atomically.
 
 from __future__ import annotations
 
-import concurrent.futures
 import csv
 import dataclasses
 import io
@@ -190,26 +189,6 @@ def _replay_group(trace, points: Sequence[Point], devices=None):
       }
     )
   return rows, result.timing.compile_s, result.timing.run_s
-
-
-def _on_threads(fn, pieces):
-  """Yields ``(piece, fn(piece))`` as each call finishes, on one thread
-  per core. On an error the calls not started yet are cancelled and the
-  error is raised (the points recorded so far stay written)."""
-  from prefixjax._host import cores
-
-  workers = min(len(pieces), cores())
-  if workers <= 1:
-    for g in pieces:
-      yield g, fn(g)
-    return
-  pool = concurrent.futures.ThreadPoolExecutor(workers)
-  try:
-    futures = {pool.submit(fn, g): i for i, g in enumerate(pieces)}
-    for future in concurrent.futures.as_completed(futures):
-      yield pieces[futures[future]], future.result()
-  finally:
-    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _cluster_group(trace, points: Sequence[Point], vectorize, devices):
@@ -538,8 +517,10 @@ def run_sweep(
   try:
     for g in pieces:
       record(g, *run_piece(g))
-    for g, result in _on_threads(run_piece, alone):
-      record(g, *result)
+    from prefixjax._host import as_done_on_threads
+
+    for i, result in as_done_on_threads(run_piece, alone):
+      record(alone[i], *result)
   finally:
     if bar is not None:
       bar.close()
