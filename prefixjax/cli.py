@@ -71,7 +71,10 @@ def _add_compile_cache(parser) -> None:
   )
 
 
-def _use_compile_cache(args) -> None:
+def _start_jax(args) -> None:
+  """Every command's start: JAX imported, its compilation cache as the
+  flags say; in the console script's own process, the imported modules
+  frozen (:func:`run`)."""
   from prefixjax.compile_cache import enable_compile_cache
 
   enable_compile_cache(args.compile_cache)  # imports jax
@@ -120,7 +123,7 @@ def _add_demo(subparsers) -> None:
 def _cmd_demo(args) -> int:
   import dataclasses
 
-  _use_compile_cache(args)
+  _start_jax(args)
 
   import jax
 
@@ -452,7 +455,7 @@ def _cmd_replay(args) -> int:
 
   _set_cpu_threads(args.cpu_threads)
   _check_replay_args(args)
-  _use_compile_cache(args)
+  _start_jax(args)
 
   import jax
 
@@ -1012,7 +1015,7 @@ def _check_simulate_args(args):
 
 def _cmd_simulate(args) -> int:
   config = _check_simulate_args(args)
-  _use_compile_cache(args)
+  _start_jax(args)
 
   import time
 
@@ -1174,7 +1177,7 @@ def _add_sweep(subparsers) -> None:
 def _cmd_sweep(args) -> int:
   from prefixjax.sweep import command
 
-  _use_compile_cache(args)
+  _start_jax(args)
   return command.run(args)
 
 
