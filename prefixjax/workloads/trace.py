@@ -119,6 +119,14 @@ def _ragged_of_int_lists(value, dtype) -> tuple[np.ndarray, ...] | None:
   return tuple(np.split(flat, np.cumsum(lengths)[:-1]))
 
 
+def _first_wrong_length(rows, expected: np.ndarray) -> int | None:
+  """The first ``i`` with ``len(rows[i]) != expected[i]``, or None (one
+  comparison, not a loop over the rows)."""
+  lengths = np.fromiter(map(len, rows), np.int64, len(rows))
+  wrong = np.flatnonzero(lengths != expected)
+  return int(wrong[0]) if wrong.size else None
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Trace:
   """R requests in file order, as host-side numpy arrays.
@@ -209,12 +217,12 @@ class Trace:
         continue
       rows = _as_ragged(field, rows, np.int32, size)
       expected = getattr(self, lengths_field)
-      for i, row in enumerate(rows):
-        if row.shape[0] != expected[i]:
-          raise ValueError(
-            f"len({field}[{i}]) = {row.shape[0]} but {lengths_field}[{i}] "
-            f"= {int(expected[i])}"
-          )
+      i = _first_wrong_length(rows, expected)
+      if i is not None:
+        raise ValueError(
+          f"len({field}[{i}]) = {rows[i].shape[0]} but {lengths_field}[{i}] "
+          f"= {int(expected[i])}"
+        )
       set_field(field, rows)
 
   def _check_hash_ids(self, size: int) -> None:
@@ -236,10 +244,8 @@ class Trace:
       raise ValueError(f"hash_block_size={block_size} must be positive")
     object.__setattr__(self, "hash_block_size", int(block_size))
     rows = _as_ragged("hash_ids", self.hash_ids, np.int64, size)
-    lengths = np.fromiter(map(len, rows), np.int64, size)
-    wrong = np.flatnonzero(lengths != -(-self.input_lengths // block_size))
-    if wrong.size:
-      i = int(wrong[0])
+    i = _first_wrong_length(rows, -(-self.input_lengths // block_size))
+    if i is not None:
       expected = -(-int(self.input_lengths[i]) // block_size)
       raise ValueError(
         f"len(hash_ids[{i}]) = {rows[i].shape[0]} but input_lengths[{i}] = "
