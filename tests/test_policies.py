@@ -6,7 +6,7 @@ usable blocks, prompts of up to 8 blocks) run on the device as one
 ``lax.scan`` (one request at a time: allocate_with_prefix, publish the
 prompt's full blocks, release) and on
 :class:`reference_models.policy_models.PolicyPrefixCache`. Per request the
-hit tokens, the fresh blocks (victims first, so this checks every victim and
+hit tokens, the fresh blocks (unhashed ones, then the victims: every victim and
 its order) and the eviction count must be equal; at the end, which blocks
 are cached. ``lru`` itself is checked by ``test_prefix_cache.py`` (vLLM
 oracle, unchanged).
@@ -258,8 +258,9 @@ def _prompt(seed, n):
 
 
 # A: 4 blocks (1-4, step 1), B: 4 blocks (5-8, step 2), both cached and
-# free; C (step 3) needs 4 blocks: the policy's 2 victims, then the free
-# unhashed blocks 9, 10. The rest of the scan is 1-token filler requests.
+# free; C (step 3) needs 4 blocks: the free unhashed blocks 9, 10, then the
+# policy's 2 victims (vLLM's queue head first, as 4 one-block takes). The
+# rest of the scan is 1-token filler requests.
 SCENARIO = [(_prompt(seed, 4 * K), 0) for seed in (1, 2, 3)]
 FILLER = [(np.asarray([7], np.int32), 0)] * (R - len(SCENARIO))
 
@@ -268,12 +269,12 @@ FILLER = [(np.asarray([7], np.int32), 0)] * (R - len(SCENARIO))
   "policy, expected",
   [
     ("lru", [9, 10, 4, 3]),  # the free queue: unhashed, then A tail first
-    ("fifo", [4, 3, 9, 10]),  # A's blocks (step 1), deepest first
-    ("lfu", [4, 8, 9, 10]),  # all counts 1: deepest (4, 8), lowest id first
-    ("belady", [4, 8, 9, 10]),  # no next-use given: all NEVER, as lfu
-    ("lru_leaf", [4, 3, 9, 10]),  # leaves 4 (step 1), 8: 4, then 3 is a leaf
-    ("belady_leaf", [4, 8, 9, 10]),  # leaves 4, 8 tie: 4; 8 deeper than 3
-    ("test_largest_id", [8, 7, 9, 10]),  # the user-defined policy
+    ("fifo", [9, 10, 4, 3]),  # A's blocks (step 1), deepest first
+    ("lfu", [9, 10, 4, 8]),  # all counts 1: deepest (4, 8), lowest id first
+    ("belady", [9, 10, 4, 8]),  # no next-use given: all NEVER, as lfu
+    ("lru_leaf", [9, 10, 4, 3]),  # leaves 4 (step 1), 8: 4, then 3 is a leaf
+    ("belady_leaf", [9, 10, 4, 8]),  # leaves 4, 8 tie: 4; 8 deeper than 3
+    ("test_largest_id", [9, 10, 8, 7]),  # the user-defined policy
   ],
 )
 def test_tie_breaking(policy, expected):
@@ -296,7 +297,7 @@ def test_belady_uses_next_use():
   state = pc.init(N, K, max_seqs=1, max_blocks_per_seq=M, policy="belady")
   tokens, lens, salts, _, _ = _arrays(SCENARIO + FILLER)
   _, outs = _run(state, tokens, lens, salts, next_use)
-  assert np.asarray(outs["new_blocks"][2][:4]).tolist() == [8, 7, 9, 10]
+  assert np.asarray(outs["new_blocks"][2][:4]).tolist() == [9, 10, 8, 7]
 
 
 def test_user_defined_policy_by_name():
@@ -379,6 +380,42 @@ def test_decode_appends_take_policy_victims(rng, policy):
   assert pc.check_invariants(final) == []
   cached = np.asarray(final.paging.published).tolist()
   assert cached == [model.block_hash(b) is not None for b in range(num_blocks)]
+
+
+@pytest.mark.parametrize("policy", ["fifo", "lfu", "test_largest_id"])
+def test_one_append_of_many_blocks_equals_one_block_at_a_time(rng, policy):
+  """An ``append`` that needs the free blocks without a hash and some
+  victims hands out the blocks (and leaves the queue) of one-block appends
+  in a row: unhashed ones first, then the victims in choice order. (The
+  replay's one-call decode relies on it; victims first, as before, made a
+  ``largest_id`` replay differ from the token-at-a-time model.)"""
+  state = pc.init(N, K, max_seqs=2, max_blocks_per_seq=M, policy=policy)
+  state, _ = run_device(state, make_workload(rng, R, M))
+  # Seq 1 takes blocks and is released unpublished: they go back to the
+  # queue head without a hash; seq 0 starts on one of them.
+  fresh = jnp.asarray(rng.integers(100, 200, size=3 * K), jnp.int32)
+  keys, _ = hashing.block_hashes(fresh, 3 * K, block_size=K)
+  state, _ = checked.allocate_with_prefix(state, 1, keys, 3 * K)
+  state, _ = checked.release(state, 1)
+  state, _ = checked.allocate_with_prefix(state, 0, keys, 1)
+  unhashed = int(state.paging.num_free - state.stats.num_cached_free)
+  assert unhashed >= 1
+  need = int(
+    rng.integers(unhashed + 1, min(M - 1, int(state.paging.num_free)) + 1)
+  )
+  one, r = checked.append(state, 0, need * K)
+  many = state
+  for _ in range(need):
+    many, a = checked.append(many, 0, K)
+  assert int(r.num_new_blocks) == need
+  assert (
+    one.paging.block_tables[0].tolist() == many.paging.block_tables[0].tolist()
+  )
+  assert paging.free_queue_order(one.paging) == paging.free_queue_order(
+    many.paging
+  )
+  np.testing.assert_array_equal(one.paging.published, many.paging.published)
+  assert pc.check_invariants(one) == []
 
 
 def test_vmap_over_configurations_equals_one_at_a_time(rng):
@@ -487,7 +524,7 @@ def test_leaf_fallback_when_every_free_parent_has_a_pinned_child():
   assert start("A", t0 + t1 + [0]) == [1, 2, 3]
   assert start("B", t0, decode=t1) == [3]
   assert start("C", t0[:3]) == [2]
-  assert start("S", t0 + t1 + t2 + t3) == [3, 2]
+  assert start("S", t0 + t1 + t2 + t3) == [2, 3]
   assert model.victims == [2, 3]
   parents = np.asarray(state.block_parent).tolist()
-  assert parents[4] == NO_BLOCK_ID and parents[3] == 4 and parents[2] == 3
+  assert parents[4] == NO_BLOCK_ID and parents[2] == 4 and parents[3] == 2

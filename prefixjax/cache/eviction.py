@@ -187,8 +187,11 @@ def promote_victims(state: PrefixCacheState, need, ok):
   Free blocks without a hash sit at the queue head (``prepend_unhashed``)
   and are used first. For the shortfall, the policy's victims are chosen one
   at a time (each a masked reduction over ``[N]``; an eviction may turn its
-  parent into a leaf), lose their identity, and are moved to the queue head
-  in that order, where the caller's pops take them.
+  parent into a leaf), lose their identity, and are moved, in that order,
+  right behind the blocks without a hash, where the caller's pops take them
+  after those: one call for ``need`` blocks hands out the blocks of
+  ``need`` one-block calls, in the same order (a decode step's growth
+  equals a token at a time).
 
   Returns:
     ``(state, num_victims)``.
@@ -223,7 +226,21 @@ def promote_victims(state: PrefixCacheState, need, ok):
     (jnp.int32(0), state, jnp.full((m,), NO_BLOCK, jnp.int32)),
   )
   num = jnp.sum((victims != NO_BLOCK).astype(jnp.int32))
-  pstate = push_free_head(state.paging, victims, num)
+  pstate = state.paging
+  # The last block without a hash: ``unhashed - 1`` steps from the head.
+  free_next = pstate.free_next
+
+  def walk(c):
+    i, block = c
+    return i + 1, gather(free_next, block[None], NO_BLOCK)[0]
+
+  _, last = jax.lax.while_loop(
+    lambda c: c[0] + 1 < jnp.where(num > 0, unhashed, 0),
+    walk,
+    (jnp.int32(0), pstate.free_head),
+  )
+  last = jnp.where((num > 0) & (unhashed > 0), last, NO_BLOCK)
+  pstate = push_free_head(pstate, victims, num, after=settle(state, last)[0])
   return state.replace(paging=pstate), num
 
 

@@ -210,29 +210,46 @@ def push_free_tail(state: PagingState, blocks: jax.Array, count: jax.Array):
   )
 
 
-def push_free_head(state: PagingState, blocks: jax.Array, count: jax.Array):
+def push_free_head(
+  state: PagingState, blocks: jax.Array, count: jax.Array, after=None
+):
   """Puts ``blocks[:count]`` (``[L]`` int32) at the queue head, keeping
   their order (``blocks[0]`` becomes the head), as vLLM's
   ``FreeKVCacheBlockQueue.prepend_n`` (``vllm/v1/core/kv_cache_utils.py``,
   0.33.0).
 
+  ``after``: optional ``[]`` int32, a queued block; the blocks then go
+  right behind it instead (at the head when it is ``NO_BLOCK``).
+
   The caller guarantees the blocks have refcount 0 and are not queued.
   """
   n = blocks.shape[0]
   lanes = jnp.arange(n) < count
-  old_head, old_tail = state.free_head, state.free_tail
-  next_of = jnp.concatenate([blocks[1:], jnp.full((1,), NO_BLOCK, jnp.int32)])
-  next_of = jnp.where(jnp.arange(n) + 1 < count, next_of, old_head)
-  prev_of = jnp.concatenate([jnp.full((1,), NO_BLOCK, jnp.int32), blocks[:-1]])
+  none = jnp.int32(NO_BLOCK)
+  at_head = True if after is None else after == NO_BLOCK
+  anchor = none if after is None else after
+  # The block the new run ends before (the old head when at the head).
+  follower = state.free_head
+  if after is not None:
+    behind = gather(state.free_next, anchor[None], NO_BLOCK)[0]
+    follower = settle(state, jnp.where(at_head, state.free_head, behind))[0]
+  next_of = jnp.concatenate([blocks[1:], none[None]])
+  next_of = jnp.where(jnp.arange(n) + 1 < count, next_of, follower)
+  prev_of = jnp.concatenate([anchor[None], blocks[:-1]])
   any_new = count > 0
   first = blocks[0]
   last = gather(blocks, (count - 1)[None], NO_BLOCK)[0]
+  free_next = scatter(state.free_next, blocks, next_of, lanes)
+  if after is not None:
+    free_next = scatter(free_next, anchor[None], first, any_new & ~at_head)
   free_prev = scatter(state.free_prev, blocks, prev_of, lanes)
   return state.replace(
-    free_next=scatter(state.free_next, blocks, next_of, lanes),
-    free_prev=scatter(free_prev, old_head[None], last, any_new),
-    free_head=jnp.where(any_new, first, old_head),
-    free_tail=jnp.where(any_new & (old_tail == NO_BLOCK), last, old_tail),
+    free_next=free_next,
+    free_prev=scatter(free_prev, follower[None], last, any_new),
+    free_head=jnp.where(any_new & at_head, first, state.free_head),
+    free_tail=jnp.where(
+      any_new & (follower == NO_BLOCK), last, state.free_tail
+    ),
     num_free=state.num_free + count,
   )
 

@@ -14,8 +14,9 @@ documents it:
   all of them if none qualifies), the lowest score; ties to the largest
   table column the block was published at, then the lowest block id. The
   victim loses its identity at once (so its parent may become a leaf for the
-  next choice). The victims come first among the new blocks,
-  in choice order, then the unhashed ones.
+  next choice). Among one allocation's new blocks the unhashed ones come
+  first, then the victims in choice order, so one allocation of ``n``
+  blocks hands out what ``n`` one-block allocations would.
 - A request step (clock) advances once per request, at its first
   allocation; hits and publishes happen "now".
 - A block's parent is the block before it in the publishing request's
@@ -167,7 +168,9 @@ class PolicyPrefixCache(VllmPrefixCache):
       self._queue.remove(v)
       victims.append(v)
     self.victims += victims
-    return victims + self._queue.popleft_n(num_new - len(victims))
+    # The blocks without a hash first (the queue head, vLLM's order), then
+    # the victims in the order chosen: as ``num_new`` one-block takes.
+    return self._queue.popleft_n(num_new - len(victims)) + victims
 
   def allocate_slots(
     self,
