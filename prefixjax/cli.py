@@ -71,6 +71,25 @@ def _add_compile_cache(parser) -> None:
   )
 
 
+def _add_trace_cache(parser) -> None:
+  group = parser.add_mutually_exclusive_group()
+  group.add_argument(
+    "--trace-cache",
+    metavar="DIR",
+    default=True,
+    help="folder of parsed traces, keyed by the file's bytes (default: "
+    "$PREFIXJAX_TRACE_CACHE, else ~/.cache/prefixjax/traces); a second run "
+    "on the same file reads it instead of parsing",
+  )
+  group.add_argument(
+    "--no-trace-cache",
+    dest="trace_cache",
+    action="store_const",
+    const="off",
+    help="parse the trace file every time, keep nothing on disk",
+  )
+
+
 def _start_jax(args) -> None:
   """Every command's start: JAX imported, its compilation cache as the
   flags say; in the console script's own process, the imported modules
@@ -210,6 +229,7 @@ def _add_replay(subparsers) -> None:
   p.add_argument(
     "--trace", metavar="PATH", help="trace file (default: built-in)"
   )
+  _add_trace_cache(p)
   p.add_argument(
     "--format", default="auto", choices=("auto", "mooncake", "tokens", "csv")
   )
@@ -465,7 +485,11 @@ def _cmd_replay(args) -> int:
   start = time.perf_counter()
   if args.trace:
     trace = load_trace(
-      args.trace, args.format, block_size=args.block_size, limit=args.limit
+      args.trace,
+      args.format,
+      block_size=args.block_size,
+      limit=args.limit,
+      cache=args.trace_cache,
     )
   else:
     trace = default_workload()
@@ -792,6 +816,7 @@ def _add_simulate(subparsers) -> None:
     metavar="NAME",
     help="a generate_workload kind (default: the built-in workload)",
   )
+  _add_trace_cache(p)
   p.add_argument(
     "--format", default="auto", choices=("auto", "mooncake", "tokens", "csv")
   )
@@ -1029,7 +1054,9 @@ def _cmd_simulate(args) -> int:
   start = time.perf_counter()
   n = args.requests or 200  # a generated workload's size
   if args.trace:
-    trace = load_trace(args.trace, args.format, limit=args.requests)
+    trace = load_trace(
+      args.trace, args.format, limit=args.requests, cache=args.trace_cache
+    )
     if not trace.has_token_ids and not trace.has_hash_ids:
       _warn(
         f"{args.trace} has lengths only (no token ids, no hash ids): it "

@@ -18,8 +18,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 if os.environ.get("PREFIXJAX_TEST_OPTIMIZED", "") not in ("1", "true", "yes"):
   os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # Tests that call the CLI in this process must not fill the user's cache
-# folder; the compile-cache tests pass their own folder explicitly.
+# folders; the compile- and trace-cache tests pass their own explicitly.
 os.environ.setdefault("PREFIXJAX_COMPILE_CACHE", "off")
+os.environ.setdefault("PREFIXJAX_TRACE_CACHE", "off")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -122,15 +122,20 @@ def prepare_replay(
   if block_size < 1:
     raise ValueError(f"block_size={block_size} must be >= 1")
   check_warmup_fraction(warmup_fraction)
-  rows = []
-  for index, ids in enumerate(hash_ids):
-    try:
-      rows.append(np.asarray(ids, np.int64).reshape(-1))
-    except (OverflowError, ValueError, TypeError):
-      raise ValueError(
-        f"hash_ids[{index}] must be integers that fit in int64"
-      ) from None
-  lengths = np.asarray([row.size for row in rows], np.int64)
+  rows = hash_ids  # a Trace's rows are already int64 vectors
+  if not all(
+    type(row) is np.ndarray and row.dtype == np.int64 and row.ndim == 1
+    for row in rows
+  ):
+    rows = []
+    for index, ids in enumerate(hash_ids):
+      try:
+        rows.append(np.asarray(ids, np.int64).reshape(-1))
+      except (OverflowError, ValueError, TypeError):
+        raise ValueError(
+          f"hash_ids[{index}] must be integers that fit in int64"
+        ) from None
+  lengths = np.fromiter(map(len, rows), np.int64, len(rows))
   inputs = np.asarray(input_lengths, np.int64).reshape(-1)
   empty_prompt = (lengths > 0) & (inputs <= 0)
   if empty_prompt.any():
@@ -143,7 +148,7 @@ def prepare_replay(
   if not kept.size:
     raise ValueError("the trace has no blocks to replay")
   lens = lengths[kept]
-  ids = np.concatenate([rows[i] for i in kept])
+  ids = np.concatenate(rows)  # the requests not kept have no blocks
   request_arr = np.repeat(np.arange(kept.size), lens).astype(np.int32)
   depth = np.arange(ids.size) - np.repeat(np.cumsum(lens) - lens, lens)
   remaining = inputs[kept][request_arr] - depth * block_size

