@@ -210,5 +210,57 @@ def test_cli_flags(tmp_path, rng):
   plain = replay("--no-trace-cache")
   assert not folder.exists()
   assert replay("--trace-cache", str(folder)) == plain
-  assert len(list(folder.glob("*.npz"))) == 1
+  # The trace's entry and its replay plan's.
+  assert sorted(p.stem.count(".") for p in folder.glob("*.npz")) == [0, 1]
   assert replay("--trace-cache", str(folder)) == plain
+
+
+PLAN_FIELDS = ("node", "parent", "weight", "next_use", "first", "request")
+
+
+@pytest.mark.parametrize("kind", ["mooncake", "tokens"])
+def test_a_cached_traces_replay_plan_is_kept_beside_it(tmp_path, rng, kind):
+  """``plan_trace`` of a trace from the cache equals the plan of the plain
+  parse, at every warm-up and (token ids) block size, the first time
+  (computed, stored) and later (read back: a planted entry comes back)."""
+  from prefixjax import replay as rp
+
+  path = WRITERS[kind](rng, tmp_path / f"t{SUFFIX[kind]}")
+  folder = tmp_path / "cache"
+  block_size = None if kind == "mooncake" else int(rng.choice([2, 4, 16]))
+  fraction = float(rng.choice([0.0, 0.25, 0.5]))
+  want = rp.plan_trace(
+    load_trace(path), block_size=block_size, warmup_fraction=fraction
+  )
+  for _ in range(2):
+    got = rp.plan_trace(
+      load_trace(path, cache=folder),
+      block_size=block_size,
+      warmup_fraction=fraction,
+    )
+    for field in (*PLAN_FIELDS, "kept"):
+      a, b = getattr(got, field), getattr(want, field)
+      assert a.dtype == b.dtype, field
+      np.testing.assert_array_equal(a, b, field)
+    assert (got.num_requests, got.warmup_requests, got.block_size) == (
+      want.num_requests,
+      want.warmup_requests,
+      want.block_size,
+    )
+  (derived,) = [p for p in folder.glob("*.npz") if p.stem.count(".") == 1]
+  planted = trace_cache._read(derived)
+  planted["weight"] = planted["weight"] + 1
+  trace_cache._write(derived, planted)
+  again = rp.plan_trace(
+    load_trace(path, cache=folder),
+    block_size=block_size,
+    warmup_fraction=fraction,
+  )
+  np.testing.assert_array_equal(again.weight, want.weight + 1)
+  # A trace not from the cache is planned afresh.
+  np.testing.assert_array_equal(
+    rp.plan_trace(
+      load_trace(path), block_size=block_size, warmup_fraction=fraction
+    ).weight,
+    want.weight,
+  )

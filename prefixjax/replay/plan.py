@@ -15,6 +15,7 @@ the unbounded cache.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,7 +25,7 @@ from prefixjax.replay.frame import (
   check_warmup_fraction,
   warmup_requests,
 )
-from prefixjax.workloads import Trace
+from prefixjax.workloads import Trace, trace_cache
 
 __all__ = [
   "ReplayPlan",
@@ -117,11 +118,30 @@ def prepare_replay(
     raise ValueError(
       f"{len(hash_ids)} hash-id rows but {len(input_lengths)} input lengths"
     )
+  _check_arguments(block_size, warmup_fraction)
+  events = _events(hash_ids, input_lengths, block_size)
+  return _plan(events, len(hash_ids), block_size, warmup_fraction)
+
+
+def _check_arguments(block_size, warmup_fraction) -> None:
   if isinstance(block_size, bool) or not isinstance(block_size, int):
     raise TypeError(f"block_size={block_size!r} must be an int")
   if block_size < 1:
     raise ValueError(f"block_size={block_size} must be >= 1")
   check_warmup_fraction(warmup_fraction)
+
+
+def _plan(events, num_requests, block_size, warmup_fraction) -> ReplayPlan:
+  return ReplayPlan(
+    **events,
+    num_requests=num_requests,
+    warmup_requests=warmup_requests(len(events["kept"]), warmup_fraction),
+    block_size=block_size,
+  )
+
+
+def _events(hash_ids, input_lengths, block_size) -> dict[str, np.ndarray]:
+  """:func:`prepare_replay`'s arrays (checked arguments)."""
   rows = hash_ids  # a Trace's rows are already int64 vectors
   if not all(
     type(row) is np.ndarray and row.dtype == np.int64 and row.ndim == 1
@@ -161,7 +181,7 @@ def prepare_replay(
   same = node_arr[order][1:] == node_arr[order][:-1]
   later = np.where(same, request_arr[order][1:], never)
   next_use[order[:-1]] = later
-  return ReplayPlan(
+  return dict(
     node=node_arr,
     parent=parent,
     weight=weights.astype(np.int32),
@@ -169,9 +189,6 @@ def prepare_replay(
     first=depth == 0,
     request=request_arr,
     kept=kept.astype(np.int64),
-    num_requests=len(hash_ids),
-    warmup_requests=warmup_requests(len(kept), warmup_fraction),
-    block_size=block_size,
   )
 
 
@@ -242,22 +259,30 @@ def plan_trace(
         "blocks of that size only"
       )
     block_size = trace.hash_block_size
-    hash_ids = trace.hash_ids
-  elif trace.has_token_ids:
-    block_size = block_size or 16
-    hash_ids = trace.block_hash_ids(block_size)
   else:
     block_size = block_size or 16
-    hash_ids = [
-      np.arange(-(-int(n) // block_size)) + (i << 32)
-      for i, n in enumerate(trace.input_lengths)
-    ]
-  return prepare_replay(
-    hash_ids,
-    trace.input_lengths,
-    block_size=block_size,
-    warmup_fraction=warmup_fraction,
+  _check_arguments(block_size, warmup_fraction)
+
+  def events():
+    if trace.has_hash_ids:
+      hash_ids = trace.hash_ids
+    elif trace.has_token_ids:
+      hash_ids = trace.block_hash_ids(block_size)
+    else:
+      hash_ids = [
+        np.arange(-(-int(n) // block_size)) + (i << 32)
+        for i, n in enumerate(trace.input_lengths)
+      ]
+    return _events(hash_ids, trace.input_lengths, block_size)
+
+  # A trace read from the trace cache keeps its plan beside it.
+  arrays = trace_cache.derived(
+    trace,
+    f"replay plan, block size {block_size}",
+    (sys.modules[__name__],),
+    events,
   )
+  return _plan(arrays, len(trace), block_size, warmup_fraction)
 
 
 def points_of_events(plan, policy, capacity, event_hits, filled) -> ReplayPoint:
