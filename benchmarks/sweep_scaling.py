@@ -78,10 +78,9 @@ def main() -> None:
       one = _spec(args.requests, True, False, only=row)
     else:
       one = _spec(args.requests, False, True, only=row)
-    if row["mode"] == "simulate" and any(
-      s["mode"] == "simulate" for s in singles
-    ):
-      continue  # one simulate point alone is enough: all cost alike
+    # Every simulate point alone (their costs differ: a low rate spreads
+    # the requests over more engine steps); the replay points of one
+    # policy are one program, so its smallest and largest capacities.
     if row["mode"] == "replay" and row["capacity"] not in (16, 1024):
       continue
     f1, s1, _ = _twice(one)
@@ -89,6 +88,11 @@ def main() -> None:
       {
         **{k: row[k] for k in ("mode", "policy") if k in row},
         "capacity": row.get("capacity"),
+        **{
+          k: row.get(k)
+          for k in ("max_num_batched_tokens", "rate", "seed")
+          if row["mode"] == "simulate"
+        },
         "first_s": f1,
         "second_s": s1,
       }
