@@ -52,41 +52,42 @@ def _add_debug(parser) -> None:
   )
 
 
-def _add_compile_cache(parser) -> None:
+def _add_cache_flags(parser, name, default, folder_help, off_help) -> None:
+  """``--NAME-cache DIR`` or ``--no-NAME-cache`` (``"off"``)."""
   group = parser.add_mutually_exclusive_group()
   group.add_argument(
-    "--compile-cache",
-    metavar="DIR",
-    default=None,
-    help="folder of JAX's persistent compilation cache (default: "
-    "$PREFIXJAX_COMPILE_CACHE, else ~/.cache/prefixjax/jax); a second run "
-    "with the same shapes loads its programs instead of compiling",
+    f"--{name}-cache", metavar="DIR", default=default, help=folder_help
   )
   group.add_argument(
-    "--no-compile-cache",
-    dest="compile_cache",
+    f"--no-{name}-cache",
+    dest=f"{name}_cache",
     action="store_const",
     const="off",
-    help="compile afresh, keep nothing on disk",
+    help=off_help,
+  )
+
+
+def _add_compile_cache(parser) -> None:
+  _add_cache_flags(
+    parser,
+    "compile",
+    None,
+    "folder of JAX's persistent compilation cache (default: "
+    "$PREFIXJAX_COMPILE_CACHE, else ~/.cache/prefixjax/jax); a second run "
+    "with the same shapes loads its programs instead of compiling",
+    "compile afresh, keep nothing on disk",
   )
 
 
 def _add_trace_cache(parser) -> None:
-  group = parser.add_mutually_exclusive_group()
-  group.add_argument(
-    "--trace-cache",
-    metavar="DIR",
-    default=True,
-    help="folder of parsed traces, keyed by the file's bytes (default: "
+  _add_cache_flags(
+    parser,
+    "trace",
+    True,
+    "folder of parsed traces, keyed by the file's bytes (default: "
     "$PREFIXJAX_TRACE_CACHE, else ~/.cache/prefixjax/traces); a second run "
     "on the same file reads it instead of parsing",
-  )
-  group.add_argument(
-    "--no-trace-cache",
-    dest="trace_cache",
-    action="store_const",
-    const="off",
-    help="parse the trace file every time, keep nothing on disk",
+    "parse the trace file every time, keep nothing on disk",
   )
 
 

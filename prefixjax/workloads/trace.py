@@ -111,13 +111,7 @@ def _ragged_of_int_lists(value, dtype) -> tuple[np.ndarray, ...] | None:
     )
   except OverflowError:
     return None
-  if (
-    dtype is np.int32
-    and flat.size
-    and (flat.min() < 0 or flat.max() > _INT32_MAX)
-  ):
-    return None
-  return _views(flat.astype(dtype, copy=False), lengths)
+  return _rows_of_flat(flat, lengths, dtype)
 
 
 def _ragged_of_int_arrays(value, dtype) -> tuple[np.ndarray, ...] | None:
@@ -134,19 +128,21 @@ def _ragged_of_int_arrays(value, dtype) -> tuple[np.ndarray, ...] | None:
   flat = np.concatenate(value)
   if flat.dtype.kind == "u" and flat.size and flat.max() > _INT64_MAX:
     return None
+  lengths = np.fromiter(map(len, value), np.int64, len(value))
+  return _rows_of_flat(flat, lengths, dtype)
+
+
+def _rows_of_flat(flat, lengths, dtype) -> tuple[np.ndarray, ...] | None:
+  """A fresh flat integer array as read-only rows of ``dtype`` (views cut
+  at ``lengths``; slicing is about 4x faster than ``np.split`` at 12,000
+  rows); None when a value is outside int32 for an int32 ``dtype``."""
   if (
     dtype is np.int32
     and flat.size
     and (flat.min() < 0 or flat.max() > _INT32_MAX)
   ):
     return None
-  lengths = np.fromiter(map(len, value), np.int64, len(value))
-  return _views(flat.astype(dtype), lengths)
-
-
-def _views(flat: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, ...]:
-  """``flat`` made read-only and cut into consecutive rows of ``lengths``
-  (views; slicing is about 4x faster than ``np.split`` at 12,000 rows)."""
+  flat = flat.astype(dtype, copy=False)
   flat.setflags(write=False)
   ends = np.cumsum(lengths).tolist()
   starts = [0, *ends[:-1]]

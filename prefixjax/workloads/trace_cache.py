@@ -185,29 +185,39 @@ def load(
   except OSError as error:
     print(f"prefixjax: warning: trace cache off ({error})", file=sys.stderr)
     return parse()
+  trace = _read_or_make(
+    entry,
+    lambda: _restore(entry, name, str(path)),
+    parse,
+    lambda trace: _save(entry, trace),
+    f"parsing {path} again",
+  )
   if entry.is_file():
+    _ENTRIES[trace] = entry
+  return trace
+
+
+def _read_or_make(path, read, make, write, redo: str):
+  """``read()`` when ``path`` exists and reads, else ``make()``, then
+  ``write``-n to ``path``; damage and unwritable folders are warnings."""
+  if path.is_file():
     try:
-      trace = _restore(entry, name, str(path))
-    except Exception as error:  # noqa: BLE001 (any damage: parse again)
+      return read()
+    except Exception as error:  # noqa: BLE001 (any damage: make it again)
       print(
-        f"prefixjax: warning: unreadable trace cache entry {entry} "
-        f"({type(error).__name__}: {error}); parsing {path} again",
+        f"prefixjax: warning: unreadable trace cache entry {path} "
+        f"({type(error).__name__}: {error}); {redo}",
         file=sys.stderr,
       )
-    else:
-      _ENTRIES[trace] = entry
-      return trace
-  trace = parse()
+  value = make()
   try:
-    _save(entry, trace)
+    write(value)
   except OSError as error:
     print(
       f"prefixjax: warning: trace cache entry not written ({error})",
       file=sys.stderr,
     )
-  else:
-    _ENTRIES[trace] = entry
-  return trace
+  return value
 
 
 def derived(
@@ -229,21 +239,10 @@ def derived(
   for module in code:
     digest.update(pathlib.Path(module.__file__).read_bytes())
   path = entry.with_name(f"{entry.stem}.{digest.hexdigest()}.npz")
-  if path.is_file():
-    try:
-      return _read(path)
-    except Exception as error:  # noqa: BLE001 (any damage: compute again)
-      print(
-        f"prefixjax: warning: unreadable trace cache entry {path} "
-        f"({type(error).__name__}: {error}); computing it again",
-        file=sys.stderr,
-      )
-  arrays = compute()
-  try:
-    _write(path, arrays)
-  except OSError as error:
-    print(
-      f"prefixjax: warning: trace cache entry not written ({error})",
-      file=sys.stderr,
-    )
-  return arrays
+  return _read_or_make(
+    path,
+    lambda: _read(path),
+    compute,
+    lambda arrays: _write(path, arrays),
+    "computing it again",
+  )
