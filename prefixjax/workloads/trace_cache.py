@@ -90,13 +90,11 @@ def cache_folder(folder: str | os.PathLike | None) -> pathlib.Path | None:
 
 @functools.cache
 def _code_digest() -> bytes:
-  """The loaders' and ``Trace``'s source: a change to either makes new
-  keys."""
-  from prefixjax.workloads import loaders, trace
-
+  """The loaders' and ``Trace``'s source (``loaders.py`` and ``trace.py``
+  beside this file): a change to either makes new keys."""
   digest = hashlib.blake2b(_FORMAT, digest_size=16)
-  for module in (loaders, trace):
-    digest.update(pathlib.Path(module.__file__).read_bytes())
+  for name in ("loaders.py", "trace.py"):
+    digest.update(pathlib.Path(__file__).with_name(name).read_bytes())
   return digest.digest()
 
 
