@@ -752,8 +752,13 @@ def _underfilled_handle():
   )
 
 
+# Units of the series keys a sweep draws (the rest are counts of what
+# their names say).
+_SERIES_UNITS = {"rate": " req/s"}
+
+
 def _series_handle(key: str, value, i: int):
-  """Legend entry of the ``i``-th series, ``key = value``."""
+  """Legend entry of the ``i``-th series, ``key = value`` (and its unit)."""
   from matplotlib.lines import Line2D
 
   style = _style(i)
@@ -761,6 +766,7 @@ def _series_handle(key: str, value, i: int):
     shown = f"{value:g}"
   else:
     shown = str(value)
+  shown += _SERIES_UNITS.get(key, "")
   return Line2D(
     [],
     [],

@@ -517,7 +517,7 @@ def test_scheduler_markers_are_the_mean_and_bars_the_min_and_max(rng):
   fig = _drawn(plots.scheduler_figure(rows, series="rate"))
   left, right = fig.axes
   assert [t.get_text() for t in left.get_xticklabels()] == order
-  assert _legend_texts(fig) == [f"rate = {r}" for r in sorted(rates)]
+  assert _legend_texts(fig) == [f"rate = {r} req/s" for r in sorted(rates)]
   handles = _legend(fig).legend_handles
   assert len({h.get_marker() for h in handles}) == len(rates)
   assert len({h.get_color() for h in handles}) == len(rates)

@@ -391,6 +391,11 @@ def test_rows_equal_each_point_run_alone(rng, tmp_path):
   )
   frame = result.frame()
   assert list(frame["hit_tokens"]) == [r["hit_tokens"] for r in result.rows]
+  # timing.json: every point once, in spec order (the simulate points ran
+  # on threads and finished in any order).
+  timing = json.loads((tmp_path / "out" / "timing.json").read_text())
+  assert [i for t in timing for i in t["points"]] == list(range(16))
+  assert timing == list(result.timing)
 
 
 def test_sglang_points_equal_simulate_alone(rng, tmp_path):

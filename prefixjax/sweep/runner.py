@@ -524,6 +524,7 @@ def run_sweep(
   finally:
     if bar is not None:
       bar.close()
+  timing.sort(key=lambda entry: entry["points"][0])  # spec order
   if count > 1:
     needed = {p.key for p in spec.points if p.workload.name not in missing}
     if index != 0:
