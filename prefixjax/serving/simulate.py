@@ -749,9 +749,25 @@ def _initial_state(
 
 
 def _build(
-  records, config, arrivals, step_time_ms, rate, seed, clock, model, hardware
+  records,
+  config,
+  arrivals,
+  step_time_ms,
+  rate,
+  seed,
+  clock,
+  model,
+  hardware,
+  memo: dict | None = None,
 ) -> _Built:
-  """The device inputs of one run (:func:`simulate`'s checks, in order)."""
+  """The device inputs of one run (:func:`simulate`'s checks, in order).
+
+  ``memo``: a dict shared by the builds of one batch over the same
+  records, which keeps what depends on the records and the token shapes
+  alone (the block keys, the clients), so a batch hashes the prompts once
+  per ``(block_size, max_model_len)``, not once per configuration.
+  """
+  memo = {} if memo is None else memo
   if not isinstance(config, ServingConfig):
     raise TypeError(f"config must be a ServingConfig, got {type(config)}")
   if step_time_ms is not None and not step_time_ms > 0:
@@ -765,8 +781,13 @@ def _build(
   arrival_msf, arrival_s = arr["arrival_msf"], arr["arrival_s"]
   priority, rank, prio_key = _priority_order(records, arrivals, rate, seed)
   scheduler = config.scheduler_object
-  client = _clients(records)
-  keys, prompt_len, max_tokens, rejected, lens = _prepare(records, config)
+  if "client" not in memo:
+    memo["client"] = _clients(records)
+  client = memo["client"]
+  shape = ("prepared", config.block_size, config.max_model_len)
+  if shape not in memo:
+    memo[shape] = _prepare(records, config)
+  keys, prompt_len, max_tokens, rejected, lens = memo[shape]
   r = len(records)
   order = np.lexsort((np.arange(r), sort_by)).astype(np.int32)
   status = np.where(
@@ -1050,8 +1071,9 @@ def simulate_batch(
       records, points, arrivals, max_steps, clock, model, hardware,
       vectorize, devices,
     )  # fmt: skip
+  memo: dict = {}
   builds = [
-    _build(records, c, arrivals, dt, rt, sd, clock, model, hardware)
+    _build(records, c, arrivals, dt, rt, sd, clock, model, hardware, memo)
     for c, dt, rt, sd in points
   ]
   b0 = builds[0]
