@@ -1,0 +1,368 @@
+"""One prepared run for a lent accelerator: correctness, then every speed
+target that needs one, in one call.
+
+No accelerator has been lent to this project yet, and a session that gets
+one has 15 minutes of device time, machine start included. This script is
+that visit, planned ahead: it runs in one command, each part in its own
+process under its own time limit (a part that hangs or fails costs only
+its share), and writes what it found under ``--out`` as JSON plus one log
+per part, printing a short table last.
+
+Parts, in order of what the open issues need:
+
+1. ``serving`` (issue 14): one configuration alone (``simulate``, the
+   slowest lane's configuration and a middle one), then ``simulate_batch``
+   vmapped over 1, 16, 256 and 1,000 configurations of
+   ``simulate_scaling.py --batch``'s kind (200 requests, Poisson rates 2-50
+   req/s, per-configuration budgets), second (compiled) calls, vLLM
+   semantics; then SGLang's at 1 and 256. A size is skipped when the
+   one before it says it would not fit the part's time. Correctness: three
+   lanes of each size (first, middle, last) are run again on the host CPU
+   (``jax.devices("cpu")``) one by one and every metric compared.
+2. ``sweep`` (issue 15): ``sweep_scaling.py``'s 256-point replay + simulate
+   sweep, vectorized (the default on an accelerator), twice; and as single
+   points the replay points at the smallest and largest capacity of each
+   policy and the simulate points of every rate at the smallest and
+   largest budget (seed 0): the low rates are the longest (most steps).
+3. ``kernels`` (issue 5): ``benchmarks/kernels.py`` at full sizes, the
+   Pallas kernels compiled (not interpreted) against the ``jnp``
+   reference, then timed.
+
+On the device machine (jax, flax, orbax, chex, numpy, tqdm and matplotlib
+are in its image; prefixjax is pure Python, so nothing is installed)::
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/device_check.py \\
+      --out $OUT --budget 480
+
+Here, to check the script itself on small sizes (CPU, vmapped anyway)::
+
+    python benchmarks/device_check.py --tiny --out /tmp/device_check
+
+Usage: ``python benchmarks/device_check.py --out DIR [--budget S] [--tiny]
+[--parts serving sweep kernels]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+PARTS = ("serving", "sweep", "kernels")
+# Each part's share of the budget (the rest of an unused share passes on).
+SHARE = {"serving": 0.5, "sweep": 0.3, "kernels": 0.2}
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _dump(path: str, obj) -> None:
+  with open(path + ".tmp", "w") as f:
+    json.dump(obj, f, indent=1, default=str)
+  os.replace(path + ".tmp", path)
+
+
+def _env() -> dict:
+  import jax
+
+  dev = jax.devices()[0]
+  return {
+    "jax": jax.__version__,
+    "backend": jax.default_backend(),
+    "device": dev.device_kind,
+    "devices": len(jax.devices()),
+    "python": sys.version.split()[0],
+  }
+
+
+# --- serving (issue 14) ------------------------------------------------------
+
+
+def _same_metrics(a: dict, b: dict) -> list[str]:
+  """The metric names whose values differ (floats to 1e-9 relative)."""
+  bad = []
+  for k in sorted(set(a) | set(b)):
+    x, y = a.get(k), b.get(k)
+    if isinstance(x, float) and isinstance(y, float):
+      if not (x == y or abs(x - y) <= 1e-9 * max(abs(x), abs(y))):
+        bad.append(k)
+    elif x != y:
+      bad.append(k)
+  return bad
+
+
+def serving_part(out: str, budget: float, tiny: bool) -> dict:
+  import jax
+  import numpy as np
+
+  from prefixjax import serving
+  from prefixjax.serving import ServingConfig
+  from prefixjax.workloads import default_workload
+
+  start = time.perf_counter()
+  requests = 40 if tiny else 200
+  trace = default_workload(num_requests=requests, seed=0)
+  cpu = jax.devices("cpu")[0]
+  rows = []
+
+  def left() -> float:
+    return budget - (time.perf_counter() - start)
+
+  def save():
+    _dump(os.path.join(out, "serving.json"), {"env": _env(), "rows": rows})
+
+  for semantics, sizes in (
+    ("vllm", [1, 4] if tiny else [1, 256, 1000]),
+    ("sglang", [1, 4] if tiny else [1, 256]),
+  ):
+    base = dict(
+      num_gpu_blocks=2049,
+      block_size=16,
+      max_num_seqs=16,
+      max_model_len=4096,
+      semantics=semantics,
+    )
+
+    def point(i, b, base=base):
+      return (
+        ServingConfig(**base, max_num_batched_tokens=512 + 64 * (i % 8)),
+        float(np.linspace(2, 50, b)[i]),
+        i,
+      )
+
+    # One configuration alone: the slowest lane's (rate 2) and a middle one.
+    for rate in (2.0, 26.0):
+      c = ServingConfig(**base, max_num_batched_tokens=512)
+      kw = dict(arrivals="poisson", rate=rate, seed=0, step_time_ms=20.0)
+      t0 = time.perf_counter()
+      serving.simulate(trace, c, **kw)
+      first = time.perf_counter() - t0
+      t0 = time.perf_counter()
+      r = serving.simulate(trace, c, **kw)
+      second = time.perf_counter() - t0
+      rows.append(
+        dict(
+          semantics=semantics,
+          what="one",
+          rate=rate,
+          steps=r.num_steps,
+          first_s=first,
+          second_s=second,
+        )
+      )
+      print(f"{semantics} one config rate {rate}: {second:.3f} s", flush=True)
+      save()
+    last = None
+    for b in sizes:
+      if last is not None:
+        # A new compile (about the last one) and two runs, linear in the
+        # configurations, with half again for margin.
+        lb, lfirst, lsecond = last
+        guess = 1.5 * ((lfirst - lsecond) + 2 * lsecond * b / lb)
+        if guess > left():
+          rows.append(
+            dict(
+              semantics=semantics,
+              what="vmapped",
+              configs=b,
+              skipped=f"expected {guess:.0f} s, {left():.0f} s left",
+            )
+          )
+          print(f"{semantics} {b} configs: skipped (time)", flush=True)
+          save()
+          break
+      pts = [point(i, b) for i in range(b)]
+      configs = [p[0] for p in pts]
+      kw = dict(
+        arrivals="poisson",
+        rate=[p[1] for p in pts],
+        seed=[p[2] for p in pts],
+        step_time_ms=20.0,
+      )
+      t0 = time.perf_counter()
+      serving.simulate_batch(trace, configs, vectorize=True, **kw)
+      first = time.perf_counter() - t0
+      t0 = time.perf_counter()
+      res = serving.simulate_batch(trace, configs, vectorize=True, **kw)
+      second = time.perf_counter() - t0
+      last = (b, first, second)
+      checked, wrong = [], {}
+      for i in sorted({0, b // 2, b - 1}):
+        c, rate, seed = pts[i]
+        with jax.default_device(cpu):
+          ref = serving.simulate_batch(
+            trace,
+            [c],
+            vectorize=False,
+            arrivals="poisson",
+            rate=rate,
+            seed=seed,
+            step_time_ms=20.0,
+          )[0]
+        bad = _same_metrics(res[i].metrics(), ref.metrics())
+        checked.append(i)
+        if bad:
+          wrong[i] = bad
+      rows.append(
+        dict(
+          semantics=semantics,
+          what="vmapped",
+          configs=b,
+          first_s=first,
+          second_s=second,
+          steps_max=max(r.num_steps for r in res),
+          lanes_checked=checked,
+          lanes_wrong=wrong,
+        )
+      )
+      print(
+        f"{semantics} {b} configs vmapped: {second:.3f} s "
+        f"(first {first:.1f} s), lanes {checked} "
+        f"{'WRONG ' + str(wrong) if wrong else 'equal to the CPU'}",
+        flush=True,
+      )
+      save()
+  return {"rows": rows}
+
+
+# --- sweep (issue 15) --------------------------------------------------------
+
+
+def sweep_part(out: str, budget: float, tiny: bool) -> dict:
+  sys.path.insert(0, HERE)
+  from sweep_scaling import _spec, _twice
+
+  requests = 40 if tiny else 300
+  spec = _spec(requests, True, True)
+  if tiny:
+    spec = dataclasses.replace(spec, vectorize=True)
+  first, second, result = _twice(spec)
+  print(f"sweep of {len(spec.points)} points: {second:.2f} s", flush=True)
+  singles = []
+  for row in result.rows:
+    if row["mode"] == "replay":
+      if row["capacity"] not in (16, 1024):
+        continue
+      one = _spec(requests, True, False, only=row)
+    else:
+      if row["seed"] != 0 or row["max_num_batched_tokens"] not in (512, 4096):
+        continue
+      one = _spec(requests, False, True, only=row)
+    if tiny:
+      one = dataclasses.replace(one, vectorize=True)
+    f1, s1, _ = _twice(one)
+    singles.append(
+      {
+        k: row.get(k)
+        for k in ("mode", "policy", "capacity", "max_num_batched_tokens")
+      }
+      | {"rate": row.get("rate"), "first_s": f1, "second_s": s1}
+    )
+    _dump(os.path.join(out, "sweep.json"), {"singles": singles})
+  worst = max(s["second_s"] for s in singles)
+  res = {
+    "env": _env(),
+    "points": len(spec.points),
+    "requests": requests,
+    "sweep_first_s": first,
+    "sweep_second_s": second,
+    "singles": singles,
+    "largest_single_s": worst,
+    "ratio": second / worst,
+  }
+  _dump(os.path.join(out, "sweep.json"), res)
+  print(
+    f"sweep {second:.2f} s / largest single {worst:.3f} s = "
+    f"{second / worst:.1f}x",
+    flush=True,
+  )
+  return res
+
+
+# --- kernels (issue 5) -------------------------------------------------------
+
+
+def kernels_part(out: str, budget: float, tiny: bool) -> dict:
+  cmd = [
+    sys.executable,
+    os.path.join(HERE, "kernels.py"),
+    "--json",
+    os.path.join(out, "kernels.json"),
+  ] + (["--tiny"] if tiny else [])
+  rc = subprocess.call(cmd, timeout=budget)
+  return {"rc": rc}
+
+
+# --- driver ------------------------------------------------------------------
+
+
+def _one_part(name: str, out: str, budget: float, tiny: bool) -> None:
+  """In the child process: one part, its result or its traceback saved."""
+  fn = {"serving": serving_part, "sweep": sweep_part, "kernels": kernels_part}
+  try:
+    res = fn[name](out, budget, tiny)
+    _dump(os.path.join(out, f"{name}.done.json"), {"ok": True, **res})
+  except Exception:
+    traceback.print_exc()
+    _dump(
+      os.path.join(out, f"{name}.done.json"),
+      {"ok": False, "error": traceback.format_exc()},
+    )
+    raise
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--out", required=True, help="folder for JSON and logs")
+  p.add_argument("--budget", type=float, default=480.0, help="seconds")
+  p.add_argument("--tiny", action="store_true", help="small sizes (CPU)")
+  p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+  p.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)
+  args = p.parse_args()
+  os.makedirs(args.out, exist_ok=True)
+  if args.part:  # a child
+    return _one_part(args.part, args.out, args.budget, args.tiny)
+  start = time.perf_counter()
+  summary = {}
+  shares = {k: SHARE[k] for k in args.parts}
+  for i, name in enumerate(args.parts):
+    left = args.budget - (time.perf_counter() - start)
+    weight = shares[name] / sum(shares[k] for k in args.parts[i:])
+    limit = max(left * weight, 10.0)
+    log = os.path.join(args.out, f"{name}.log")
+    cmd = [
+      sys.executable,
+      os.path.abspath(__file__),
+      "--out",
+      args.out,
+      "--part",
+      name,
+      # The part plans for 90% of its limit; the rest is its start-up.
+      "--budget",
+      str(0.9 * limit),
+    ] + (["--tiny"] if args.tiny else [])
+    t0 = time.perf_counter()
+    print(f"== {name}: at most {limit:.0f} s", flush=True)
+    with open(log, "w") as f:
+      proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+      try:
+        rc = proc.wait(timeout=limit)
+      except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        rc = "timeout"
+    summary[name] = {"rc": rc, "seconds": time.perf_counter() - t0}
+    with open(log) as f:
+      tail = f.read().splitlines()[-12:]
+    print("\n".join("   " + line for line in tail), flush=True)
+  _dump(os.path.join(args.out, "summary.json"), summary)
+  print("== summary")
+  for name, s in summary.items():
+    print(f"{name:>8}: rc={s['rc']} in {s['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+  main()
