@@ -127,3 +127,55 @@ def test_block_verbs_refuse_what_they_do_not_stand_for():
       pc.init(N, K, max_seqs=S, max_blocks_per_seq=M, policy="fifo"),
       jnp.int32(0),
     )
+
+
+def _whiles(fn, *args) -> int:
+  """``stablehlo.while`` ops in ``fn``'s lowered program."""
+  return jax.jit(fn).lower(*args).as_text().count("stablehlo.while")
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_kernel_is_a_loop_on_cpu_and_a_plain_call_elsewhere(
+  rng, monkeypatch, backend
+):
+  """``prefixjax._masked.kernel``: ``fn``'s value, as a one-trip while loop
+  when the default backend is a CPU and without one on an accelerator
+  (``jax.default_backend`` patched: the program is still lowered for this
+  CPU); the block verbs that use it lose exactly those loops there."""
+  from prefixjax._masked import kernel
+
+  def fn(carry, x, flag):
+    a, b = carry
+    return a * x + b, jnp.where(flag, b - x, b)
+
+  def call(c, x, f):
+    return kernel(fn, c, x, f)
+
+  a, b, x = (jnp.int32(v) for v in rng.integers(-1000, 1000, 3))
+  flag = jnp.bool_(rng.integers(2))
+  want = fn((a, b), x, flag)
+  state = pc.init(N, K, max_seqs=S, max_blocks_per_seq=M)
+  tokens = rng.integers(1, 50, 2 * K).tolist()
+  state, _ = pc.allocate_with_prefix(state, 0, _keys(tokens), len(tokens))
+  seq = jnp.int32(0)
+  publish = (state, seq, jnp.int32(1), _keys(tokens)[1])
+  counts = {}
+  for name in ("cpu", backend):
+    monkeypatch.setattr(jax, "default_backend", lambda name=name: name)
+    jax.clear_caches()  # traces are cached per function, not per backend
+    np.testing.assert_array_equal(jax.jit(call)((a, b), x, flag), want)
+    counts[name] = (
+      _whiles(call, (a, b), x, flag),
+      _whiles(pc.append_block, state, seq),
+      _whiles(pc.publish_block, *publish),
+      jax.jit(pc.append_block)(state, seq),
+    )
+  monkeypatch.undo()
+  jax.clear_caches()  # no trace made for the patched backend outlives this
+  cpu, acc = counts["cpu"], counts[backend]
+  assert cpu[0] == 1 and acc[0] == 0
+  # append_block's own kernel call and evict_block's two; publish_block's
+  # lookup, then _publish_one's insert and link.
+  assert cpu[1] - acc[1] == 3, (cpu[1], acc[1])
+  assert cpu[2] - acc[2] == 3, (cpu[2], acc[2])
+  _assert_same(cpu[3], acc[3])
