@@ -96,11 +96,12 @@ def _same_metrics(a: dict, b: dict) -> list[str]:
 
 def serving_part(out: str, budget: float, tiny: bool) -> dict:
   import jax
-  import numpy as np
 
   from prefixjax import serving
-  from prefixjax.serving import ServingConfig
   from prefixjax.workloads import default_workload
+
+  sys.path.insert(0, HERE)
+  from simulate_scaling import batch_inputs
 
   start = time.perf_counter()
   requests = 40 if tiny else 200
@@ -118,24 +119,9 @@ def serving_part(out: str, budget: float, tiny: bool) -> dict:
     ("vllm", [1, 4] if tiny else [1, 256, 1000]),
     ("sglang", [1, 4] if tiny else [1, 256]),
   ):
-    base = dict(
-      num_gpu_blocks=2049,
-      block_size=16,
-      max_num_seqs=16,
-      max_model_len=4096,
-      semantics=semantics,
-    )
-
-    def point(i, b, base=base):
-      return (
-        ServingConfig(**base, max_num_batched_tokens=512 + 64 * (i % 8)),
-        float(np.linspace(2, 50, b)[i]),
-        i,
-      )
-
     # One configuration alone: the slowest lane's (rate 2) and a middle one.
     for rate in (2.0, 26.0):
-      c = ServingConfig(**base, max_num_batched_tokens=512)
+      c = batch_inputs(1, semantics)[0][0]
       kw = dict(arrivals="poisson", rate=rate, seed=0, step_time_ms=20.0)
       t0 = time.perf_counter()
       serving.simulate(trace, c, **kw)
@@ -174,14 +160,7 @@ def serving_part(out: str, budget: float, tiny: bool) -> dict:
           print(f"{semantics} {b} configs: skipped (time)", flush=True)
           save()
           break
-      pts = [point(i, b) for i in range(b)]
-      configs = [p[0] for p in pts]
-      kw = dict(
-        arrivals="poisson",
-        rate=[p[1] for p in pts],
-        seed=[p[2] for p in pts],
-        step_time_ms=20.0,
-      )
+      configs, kw = batch_inputs(b, semantics)
       t0 = time.perf_counter()
       serving.simulate_batch(trace, configs, vectorize=True, **kw)
       first = time.perf_counter() - t0
@@ -191,16 +170,10 @@ def serving_part(out: str, budget: float, tiny: bool) -> dict:
       last = (b, first, second)
       checked, wrong = [], {}
       for i in sorted({0, b // 2, b - 1}):
-        c, rate, seed = pts[i]
+        one = dict(kw, rate=kw["rate"][i], seed=kw["seed"][i])
         with jax.default_device(cpu):
           ref = serving.simulate_batch(
-            trace,
-            [c],
-            vectorize=False,
-            arrivals="poisson",
-            rate=rate,
-            seed=seed,
-            step_time_ms=20.0,
+            trace, [configs[i]], vectorize=False, **one
           )[0]
         bad = _same_metrics(res[i].metrics(), ref.metrics())
         checked.append(i)

@@ -94,8 +94,9 @@ def main() -> None:
       json.dump(rows, f, indent=2)
 
 
-def batch(sizes, semantics: str) -> None:
-  trace = default_workload(num_requests=200, seed=0)
+def batch_inputs(b: int, semantics: str):
+  """``--batch``'s ``b`` configurations: ``(configs, simulate_batch
+  keywords)``, budgets 512-960, Poisson rates 2-50 req/s, seeds 0.."""
   base = dict(
     num_gpu_blocks=2049,
     block_size=16,
@@ -103,22 +104,28 @@ def batch(sizes, semantics: str) -> None:
     max_model_len=4096,
     semantics=semantics,
   )
+  configs = [
+    ServingConfig(**base, max_num_batched_tokens=512 + 64 * (i % 8))
+    for i in range(b)
+  ]
+  kw = dict(
+    arrivals="poisson",
+    rate=[float(r) for r in np.linspace(2, 50, b)],
+    seed=list(range(b)),
+    step_time_ms=20.0,
+  )
+  return configs, kw
+
+
+def batch(sizes, semantics: str) -> None:
+  trace = default_workload(num_requests=200, seed=0)
   print(
     f"jax {jax.__version__} on {jax.default_backend()}, {semantics} "
     "semantics, 200 requests"
   )
   print(f"{'configs':>8} {'vmapped s':>10} {'one by one s':>13}")
   for b in sizes:
-    configs = [
-      ServingConfig(**base, max_num_batched_tokens=512 + 64 * (i % 8))
-      for i in range(b)
-    ]
-    kw = dict(
-      arrivals="poisson",
-      rate=[float(r) for r in np.linspace(2, 50, b)],
-      seed=list(range(b)),
-      step_time_ms=20.0,
-    )
+    configs, kw = batch_inputs(b, semantics)
     secs = []
     for vectorize in (True, False):
       serving.simulate_batch(trace, configs, vectorize=vectorize, **kw)
