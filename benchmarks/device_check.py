@@ -27,6 +27,9 @@ Parts, in order of what the open issues need:
 3. ``kernels`` (issue 5): ``benchmarks/kernels.py`` at full sizes, the
    Pallas kernels compiled (not interpreted) against the ``jnp``
    reference, then timed.
+4. ``engine`` (issue 17): ``benchmarks/engine.py`` with Llama-3-8B-shaped
+   random bf16 weights, prefix caching on and off, measured step times
+   against the H200 roofline's.
 
 On the device machine (jax, flax, orbax, chex, numpy, tqdm and matplotlib
 are in its image; prefixjax is pure Python, so nothing is installed)::
@@ -39,7 +42,7 @@ Here, to check the script itself on small sizes (CPU, vmapped anyway)::
     python benchmarks/device_check.py --tiny --out /tmp/device_check
 
 Usage: ``python benchmarks/device_check.py --out DIR [--budget S] [--tiny]
-[--parts serving sweep kernels]``.
+[--parts serving sweep kernels engine]``.
 """
 
 from __future__ import annotations
@@ -53,9 +56,9 @@ import sys
 import time
 import traceback
 
-PARTS = ("serving", "sweep", "kernels")
+PARTS = ("serving", "sweep", "kernels", "engine")
 # Each part's share of the budget (the rest of an unused share passes on).
-SHARE = {"serving": 0.5, "sweep": 0.3, "kernels": 0.2}
+SHARE = {"serving": 0.45, "sweep": 0.25, "kernels": 0.15, "engine": 0.15}
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -269,12 +272,50 @@ def kernels_part(out: str, budget: float, tiny: bool) -> dict:
   return {"rc": rc}
 
 
+# --- engine (issue 17) -------------------------------------------------------
+
+
+def engine_part(out: str, budget: float, tiny: bool) -> dict:
+  """``benchmarks/engine.py``: Llama-3-8B-shaped random weights in bf16
+  behind the scheduler, caching on and off, and the H200 roofline's
+  step times against the measured ones (the calibration that means
+  something only on that chip)."""
+  size = (
+    ["--model", "tiny", "--repeats", "1"]
+    if tiny
+    else [
+      "--model",
+      "llama3_8b",
+      "--hardware",
+      "h200",
+      "--requests",
+      "16",
+      "--system-tokens",
+      "1024",
+      "--user-tokens",
+      "64",
+      "--max-new-tokens",
+      "32",
+      "--repeats",
+      "2",
+    ]
+  )
+  cmd = [sys.executable, os.path.join(HERE, "engine.py"), *size]
+  cmd += ["--json", os.path.join(out, "engine.json")]
+  return {"rc": subprocess.call(cmd, timeout=budget)}
+
+
 # --- driver ------------------------------------------------------------------
 
 
 def _one_part(name: str, out: str, budget: float, tiny: bool) -> None:
   """In the child process: one part, its result or its traceback saved."""
-  fn = {"serving": serving_part, "sweep": sweep_part, "kernels": kernels_part}
+  fn = {
+    "serving": serving_part,
+    "sweep": sweep_part,
+    "kernels": kernels_part,
+    "engine": engine_part,
+  }
   try:
     res = fn[name](out, budget, tiny)
     _dump(os.path.join(out, f"{name}.done.json"), {"ok": True, **res})
