@@ -5,8 +5,9 @@ No accelerator has been lent to this project yet, and a session that gets
 one has 15 minutes of device time, machine start included. This script is
 that visit, planned ahead: it runs in one command, each part in its own
 process under its own time limit (a part that hangs or fails costs only
-its share), and writes what it found under ``--out`` as JSON plus one log
-per part, printing a short table last.
+its share), and writes what it found under ``--out``: one JSON per part,
+``summary.json`` and ``device_check.log`` (six files: the device returns
+at most eight), printing a short table last.
 
 Parts, in order of what the open issues need:
 
@@ -369,8 +370,19 @@ def main() -> None:
         proc.wait()
         rc = "timeout"
     summary[name] = {"rc": rc, "seconds": time.perf_counter() - t0}
+    # What comes back from the device is at most 8 files: the parts' logs
+    # go into one, their outcomes into the summary.
+    done = os.path.join(args.out, f"{name}.done.json")
+    if os.path.exists(done):
+      with open(done) as f:
+        summary[name]["outcome"] = json.load(f)
+      os.remove(done)
     with open(log) as f:
-      tail = f.read().splitlines()[-12:]
+      text = f.read()
+    os.remove(log)
+    with open(os.path.join(args.out, "device_check.log"), "a") as f:
+      f.write(f"== {name} (rc={rc})\n{text}\n")
+    tail = text.splitlines()[-12:]
     print("\n".join("   " + line for line in tail), flush=True)
   _dump(os.path.join(args.out, "summary.json"), summary)
   print("== summary")
