@@ -49,7 +49,6 @@ Usage: ``python benchmarks/device_check.py --out DIR [--budget S] [--tiny]
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -210,47 +209,22 @@ def serving_part(out: str, budget: float, tiny: bool) -> dict:
 
 def sweep_part(out: str, budget: float, tiny: bool) -> dict:
   sys.path.insert(0, HERE)
-  from sweep_scaling import _spec, _twice
+  from sweep_scaling import measure
 
-  requests = 40 if tiny else 300
-  spec = _spec(requests, True, True)
-  if tiny:
-    spec = dataclasses.replace(spec, vectorize=True)
-  first, second, result = _twice(spec)
-  print(f"sweep of {len(spec.points)} points: {second:.2f} s", flush=True)
-  singles = []
-  for row in result.rows:
-    if row["mode"] == "replay":
-      if row["capacity"] not in (16, 1024):
-        continue
-      one = _spec(requests, True, False, only=row)
-    else:
-      if row["seed"] != 0 or row["max_num_batched_tokens"] not in (512, 4096):
-        continue
-      one = _spec(requests, False, True, only=row)
-    if tiny:
-      one = dataclasses.replace(one, vectorize=True)
-    f1, s1, _ = _twice(one)
-    singles.append(
-      {
-        k: row.get(k)
-        for k in ("mode", "policy", "capacity", "max_num_batched_tokens")
-      }
-      | {"rate": row.get("rate"), "first_s": f1, "second_s": s1}
-    )
-    _dump(os.path.join(out, "sweep.json"), {"singles": singles})
-  worst = max(s["second_s"] for s in singles)
-  res = {
-    "env": _env(),
-    "points": len(spec.points),
-    "requests": requests,
-    "sweep_first_s": first,
-    "sweep_second_s": second,
-    "singles": singles,
-    "largest_single_s": worst,
-    "ratio": second / worst,
-  }
-  _dump(os.path.join(out, "sweep.json"), res)
+  path = os.path.join(out, "sweep.json")
+  res = measure(
+    40 if tiny else 300,
+    # Seed 0 at the smallest and largest budget: every rate, the low ones
+    # the longest.
+    alone=lambda row: (
+      row["seed"] == 0 and row["max_num_batched_tokens"] in (512, 4096)
+    ),
+    vectorize=True if tiny else None,
+    on_single=lambda singles: _dump(path, {"singles": singles}),
+  )
+  res["env"] = _env()
+  _dump(path, res)
+  second, worst = res["sweep_second_s"], res["largest_single_s"]
   print(
     f"sweep {second:.2f} s / largest single {worst:.3f} s = "
     f"{second / worst:.1f}x",

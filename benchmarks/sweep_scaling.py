@@ -16,6 +16,7 @@ Usage: ``python benchmarks/sweep_scaling.py [--requests 300] [--json OUT]``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import time
@@ -64,25 +65,34 @@ def _twice(spec):
   return first, time.perf_counter() - start, result
 
 
-def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--requests", type=int, default=300)
-  p.add_argument("--json", metavar="OUT")
-  args = p.parse_args()
-  spec = _spec(args.requests, True, True)
+def measure(requests, *, alone=None, vectorize=None, on_single=None):
+  """The 256-point sweep twice, then single points alone: the replay points
+  at each policy's smallest and largest capacity, and the simulate points
+  that ``alone(row)`` keeps (default: every one; their costs differ, a low
+  rate spreads the requests over more engine steps). ``vectorize``: the
+  specs' ``[sweep] vectorize`` (None: automatic). ``on_single(singles)``
+  is called after each single point. Returns the benchmark's record."""
+
+  def spec_of(*modes, only=None):
+    spec = _spec(requests, *modes, only=only)
+    if vectorize is not None:
+      spec = dataclasses.replace(spec, vectorize=vectorize)
+    return spec
+
+  spec = spec_of(True, True)
   assert len(spec.points) == 256, len(spec.points)
   first, second, result = _twice(spec)
   singles = []
   for row in result.rows:
     if row["mode"] == "replay":
-      one = _spec(args.requests, True, False, only=row)
+      # One program per policy: its smallest and largest capacities.
+      if row["capacity"] not in (16, 1024):
+        continue
+      one = spec_of(True, False, only=row)
     else:
-      one = _spec(args.requests, False, True, only=row)
-    # Every simulate point alone (their costs differ: a low rate spreads
-    # the requests over more engine steps); the replay points of one
-    # policy are one program, so its smallest and largest capacities.
-    if row["mode"] == "replay" and row["capacity"] not in (16, 1024):
-      continue
+      if alone is not None and not alone(row):
+        continue
+      one = spec_of(False, True, only=row)
     f1, s1, _ = _twice(one)
     singles.append(
       {
@@ -97,18 +107,28 @@ def main() -> None:
         "second_s": s1,
       }
     )
+    if on_single is not None:
+      on_single(singles)
   worst = max(s["second_s"] for s in singles)
-  out = {
+  return {
     "machine": f"jax {jax.__version__} on {jax.default_backend()} "
     f"({platform.processor() or platform.machine()})",
     "points": len(spec.points),
-    "requests": args.requests,
+    "requests": requests,
     "sweep_first_s": first,
     "sweep_second_s": second,
     "singles": singles,
     "largest_single_s": worst,
     "ratio": second / worst,
   }
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--requests", type=int, default=300)
+  p.add_argument("--json", metavar="OUT")
+  args = p.parse_args()
+  out = measure(args.requests)
   print(json.dumps(out, indent=1))
   if args.json:
     with open(args.json, "w") as f:
