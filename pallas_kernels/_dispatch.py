@@ -32,14 +32,22 @@ JAX versions. What is available where:
   generic HLO interpreter (``interpret=True``) on CPU. Tests run every
   variant in interpret mode, and lower both compiled variants for their
   hardware with ``jax.export`` (``tests/test_kernels_lowering.py``).
-* jax >= 0.11.2: JAX deprecated the Pallas Triton backend. The GPU variants
+* jax 0.11.2 and 0.12.0.1 (checked on CPU with ``jax.export`` for
+  ``cuda``): JAX deprecates the Pallas Triton backend
+  (``jax._src.deprecations`` id ``jax-pallas-triton``): lowering a Triton
+  ``pallas_call`` emits a ``DeprecationWarning`` (:data:`TRITON_DEPRECATION`
+  matches it) and still produces the Triton custom call. The GPU variants
   therefore live in their own subpackage, :mod:`pallas_kernels.gpu`, import
   nothing Triton-specific at module import time (``interpret=True`` never
   touches Triton), and are reached only through this module, so a Mosaic GPU
-  variant can replace them by changing the ``pallas_gpu`` branch here. If
-  importing the Triton lowering fails or warns (:func:`triton_available`),
-  ``backend=None`` on a GPU falls back to the reference with a logged
-  message instead of failing; ``backend="pallas_gpu"`` is still honoured.
+  variant can replace them by changing the ``pallas_gpu`` branch here (not
+  written: Mosaic GPU lowers only with the CUDA plugin installed, so it can
+  be neither run nor lowered on the CPU machines this is developed on).
+  Choosing the compiled ``pallas_gpu`` logs the deprecation once per kernel.
+  If importing the Triton lowering fails or warns, or JAX accelerates the
+  deprecation into an error (:func:`triton_available`), ``backend=None`` on
+  a GPU falls back to the reference with a logged message instead of
+  failing; ``backend="pallas_gpu"`` is still honoured.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import re
 import warnings
 from typing import Any, Literal
 
@@ -81,16 +90,45 @@ def _log_once(kernel: str, message: str) -> None:
   logger.warning("pallas_kernels.%s: %s", kernel, message)
 
 
+# JAX's message when a Triton-lowered pallas_call is compiled (jax 0.11.2,
+# 0.12.0.1: jax/_src/pallas/triton/pallas_call_registration.py).
+TRITON_DEPRECATION = re.compile(r"Pallas Triton backend is deprecated")
+_TRITON_DEPRECATION_ID = "jax-pallas-triton"
+
+
+def triton_deprecation() -> str | None:
+  """How this jax treats the Pallas Triton backend.
+
+  ``None``: not deprecated (jax 0.10.2); ``"warns"``: a
+  ``DeprecationWarning`` at lowering (jax 0.11.2, 0.12.0.1);
+  ``"error"``: the deprecation is accelerated, lowering raises. Reads
+  JAX's private deprecation registry; ``None`` if that moved.
+  """
+  try:
+    from jax._src import deprecations
+  except ImportError:
+    return None
+  registry = getattr(deprecations, "_registered_deprecations", {})
+  if _TRITON_DEPRECATION_ID not in registry:
+    return None
+  try:
+    accelerated = deprecations.is_accelerated(_TRITON_DEPRECATION_ID)
+  except Exception:  # noqa: BLE001 - private API; assume the mild form.
+    accelerated = False
+  return "error" if accelerated else "warns"
+
+
 @functools.cache
 def triton_available() -> bool:
-  """Whether the Triton-style GPU lowering can be imported without warnings."""
+  """Whether the Triton-style GPU lowering imports without warnings and its
+  deprecation (if any) is not accelerated into an error."""
   try:
     with warnings.catch_warnings():
       warnings.simplefilter("error")
       from jax.experimental.pallas import triton  # noqa: F401
   except Exception:  # noqa: BLE001 - any failure means "not usable".
     return False
-  return True
+  return triton_deprecation() != "error"
 
 
 def gpu_compiler_params(**kwargs: Any) -> Any:
@@ -178,6 +216,13 @@ def resolve_backend(
     raise ValueError(
       f"{kernel}: backend='pallas_gpu' needs a GPU or interpret=True; "
       f"jax.default_backend()={platform!r}."
+    )
+  if triton_deprecation() is not None:
+    _log_once(
+      kernel,
+      f"compiled through the Pallas Triton backend, which jax "
+      f"{jax.__version__} deprecates (JAX warns when it compiles); no "
+      "Mosaic GPU variant exists yet. backend='reference' avoids it.",
     )
   return backend, False
 
