@@ -68,7 +68,10 @@ def random_config(rng, scheduler, *, tight):
   block_size = int(rng.choice([2, 4, 8]))
   max_model_len = 96
   need = cdiv(max_model_len, block_size)
-  seqs = int(rng.integers(1, 6))
+  # Under pressure at least two sequences: with one the long pair never
+  # runs side by side and nothing preempts (four such draws in a row failed
+  # test_matches_python_model[tight-lpm], seed 841923440).
+  seqs = int(rng.integers(2 if tight else 1, 6))
   chunked = bool(rng.random() < 0.7)
   extra = int(rng.integers(0, need // 2)) if tight else 4 * need
   return ServingConfig(
