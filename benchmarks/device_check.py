@@ -6,7 +6,7 @@ one has 15 minutes of device time, machine start included. This script is
 that visit, planned ahead: it runs in one command, each part in its own
 process under its own time limit (a part that hangs or fails costs only
 its share), and writes what it found under ``--out``: one JSON per part,
-``summary.json`` and ``device_check.log`` (six files: the device returns
+``summary.json`` and ``device_check.log`` (seven files: the device returns
 at most eight), printing a short table last.
 
 Parts, in order of what the open issues need:
@@ -27,7 +27,8 @@ Parts, in order of what the open issues need:
    largest budget (seed 0): the low rates are the longest (most steps).
 3. ``kernels`` (issue 5): ``benchmarks/kernels.py`` at full sizes, the
    Pallas kernels compiled (not interpreted) against the ``jnp``
-   reference, then timed.
+   reference, then timed; once with the Triton-style GPU variants and once
+   with the Mosaic GPU port of the attention kernels.
 4. ``engine`` (issue 17): ``benchmarks/engine.py`` with Llama-3-8B-shaped
    random bf16 weights, prefix caching on and off, measured step times
    against the H200 roofline's.
@@ -237,14 +238,33 @@ def sweep_part(out: str, budget: float, tiny: bool) -> dict:
 
 
 def kernels_part(out: str, budget: float, tiny: bool) -> dict:
-  cmd = [
-    sys.executable,
-    os.path.join(HERE, "kernels.py"),
-    "--json",
-    os.path.join(out, "kernels.json"),
-  ] + (["--tiny"] if tiny else [])
-  rc = subprocess.call(cmd, timeout=budget)
-  return {"rc": rc}
+  """Both GPU variants, each in its own process: the Triton-style one
+  (``kernels.json``), then the Mosaic GPU port of the attention kernels
+  (``kernels_mosaic.json``) with what is left of the share."""
+  result = {}
+  start = time.time()
+  runs = (("triton", "kernels.json"), ("mosaic", "kernels_mosaic.json"))
+  for variant, name in runs:
+    cmd = [
+      sys.executable,
+      os.path.join(HERE, "kernels.py"),
+      "--gpu-variant",
+      variant,
+      "--json",
+      os.path.join(out, name),
+    ] + (["--tiny"] if tiny else [])
+    left = budget - (time.time() - start)
+    if left < 10:
+      result[variant] = "skipped: no time left"
+      continue
+    try:
+      result[variant] = subprocess.call(cmd, timeout=left)
+    except subprocess.TimeoutExpired:
+      result[variant] = "timed out"
+  result["rc"] = max(
+    (v for v in result.values() if isinstance(v, int)), default=1
+  )
+  return result
 
 
 # --- engine (issue 17) -------------------------------------------------------

@@ -31,6 +31,8 @@ What it does:
    dispatch rule should follow.
 
 Prints a compact table at the end; ``--json OUT`` writes the rows too.
+``--gpu-variant mosaic`` times the Mosaic GPU port of the attention kernels
+instead of the Triton-style variants (``pallas_kernels.set_gpu_variant``).
 """
 
 from __future__ import annotations
@@ -87,6 +89,14 @@ def parse_args(argv):
     default=None,
     choices=[None, *pk.BACKENDS],
     help="variant to time (default: the dispatcher's choice)",
+  )
+  parser.add_argument(
+    "--gpu-variant",
+    default=None,
+    choices=pk.GPU_VARIANTS,
+    help="implementation of backend='pallas_gpu' (default: "
+    "PALLAS_KERNELS_GPU_VARIANT, else triton); mosaic serves the attention "
+    "kernels through Mosaic GPU",
   )
   parser.add_argument("--reps", type=int, default=None)
   parser.add_argument("--inner", type=int, default=None)
@@ -243,6 +253,8 @@ def main(argv=None):
   reps = args.reps or (3 if tiny else 20)
   inner = args.inner or (2 if tiny else 10)
   rotate = 1 if tiny else args.rotate
+  if args.gpu_variant is not None:
+    pk.set_gpu_variant(args.gpu_variant)
   backend, interpret = pk.resolve_backend(
     args.backend, False, kernel="benchmark"
   )
@@ -253,7 +265,10 @@ def main(argv=None):
       "No accelerator: tiny sizes only, timing the reference variant; "
       "these numbers say nothing about kernel speed."
     )
-  print(f"backend={backend}, sizes={'tiny' if tiny else 'full'}: {cfg}")
+  print(
+    f"backend={backend} (GPU variant {pk.current_gpu_variant()}), "
+    f"sizes={'tiny' if tiny else 'full'}: {cfg}"
+  )
   call = functools.partial(dict, backend=backend, interpret=interpret)
   key = jax.random.key(0)
   failures = []
@@ -493,6 +508,7 @@ def main(argv=None):
           "device": device.device_kind,
           "platform": platform,
           "backend": backend,
+          "gpu_variant": pk.current_gpu_variant(),
           "sizes": cfg,
           "hbm_bytes_per_s": bandwidth,
           "rows": rows,

@@ -13,7 +13,9 @@ Six public kernels take arrays, not cache state:
 Pages are ``[num_kv_heads, num_pages, page_size, head_dim]``. Every kernel
 takes ``backend`` (``None``, ``"reference"``, ``"pallas_tpu"``,
 ``"pallas_gpu"``) and ``interpret``; see :mod:`pallas_kernels._dispatch` for
-the choice rule and the jax-version notes, and
+the choice rule and the jax-version notes (``set_gpu_variant("mosaic")``
+serves ``"pallas_gpu"`` attention through Mosaic GPU instead of the
+Triton-style lowering), and
 :func:`prefer_shared_prefix` for when the shared-prefix path pays off.
 ``*_reference`` are the plain-jnp definitions the kernels are tested against.
 
@@ -27,9 +29,12 @@ integer arguments for the checks.
 
 from pallas_kernels._dispatch import (
   BACKENDS,
+  GPU_VARIANTS,
   SHARED_PREFIX_MIN_BYTES_RATIO,
+  current_gpu_variant,
   prefer_shared_prefix,
   resolve_backend,
+  set_gpu_variant,
 )
 from pallas_kernels.copy_blocks import copy_blocks, copy_blocks_reference
 from pallas_kernels.merge_attention_states import (
@@ -53,10 +58,12 @@ from pallas_kernels.write_kv import write_kv, write_kv_reference
 
 __all__ = [
   "BACKENDS",
+  "GPU_VARIANTS",
   "SHARED_PREFIX_MIN_BYTES_RATIO",
   "concat_block_tables",
   "copy_blocks",
   "copy_blocks_reference",
+  "current_gpu_variant",
   "merge_attention_states",
   "merge_attention_states_reference",
   "paged_attention",
@@ -65,6 +72,7 @@ __all__ = [
   "prefill_attention",
   "prefill_attention_reference",
   "resolve_backend",
+  "set_gpu_variant",
   "shared_prefix_attention",
   "shared_prefix_attention_reference",
   "write_kv",

@@ -39,15 +39,24 @@ JAX versions. What is available where:
   matches it) and still produces the Triton custom call. The GPU variants
   therefore live in their own subpackage, :mod:`pallas_kernels.gpu`, import
   nothing Triton-specific at module import time (``interpret=True`` never
-  touches Triton), and are reached only through this module, so a Mosaic GPU
-  variant can replace them by changing the ``pallas_gpu`` branch here (not
-  written: Mosaic GPU lowers only with the CUDA plugin installed, so it can
-  be neither run nor lowered on the CPU machines this is developed on).
+  touches Triton), and are reached only through this module.
   Choosing the compiled ``pallas_gpu`` logs the deprecation once per kernel.
   If importing the Triton lowering fails or warns, or JAX accelerates the
   deprecation into an error (:func:`triton_available`), ``backend=None`` on
   a GPU falls back to the reference with a logged message instead of
-  failing; ``backend="pallas_gpu"`` is still honoured.
+  failing (the attention kernels keep ``pallas_gpu`` when the Mosaic GPU
+  variant is chosen); ``backend="pallas_gpu"`` is still honoured.
+
+GPU variants. ``backend="pallas_gpu"`` is served by one of
+:data:`GPU_VARIANTS`: ``"triton"`` (the default, every kernel, in
+:mod:`pallas_kernels.gpu`) or ``"mosaic"`` (:mod:`pallas_kernels.gpu_mosaic`:
+the attention kernels through Mosaic GPU, TMA page gathers and WGMMA, for
+float16 / bfloat16; the other kernels, and inputs the port does not
+support, stay on the Triton-style variants). Chosen with
+:func:`set_gpu_variant` or the environment variable
+``PALLAS_KERNELS_GPU_VARIANT``. The Mosaic GPU port is checked on CPU only:
+in JAX's GPU interpret mode (``interpret=True``) and by lowering for
+``cuda`` with the CUDA plugin installed; it has not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import os
 import re
 import warnings
 from typing import Any, Literal
@@ -67,22 +77,66 @@ logger = logging.getLogger("pallas_kernels")
 Backend = Literal["reference", "pallas_tpu", "pallas_gpu"]
 BACKENDS: tuple[str, ...] = ("reference", "pallas_tpu", "pallas_gpu")
 
-# Which implementation serves ``backend="pallas_gpu"``. Only "triton" exists
-# today; a Mosaic GPU port would add a value here and a subpackage.
-GPU_VARIANT = "triton"
+# Implementations of ``backend="pallas_gpu"``: the Triton-style variants
+# (pallas_kernels/gpu) and the Mosaic GPU port (pallas_kernels/gpu_mosaic).
+GPU_VARIANTS: tuple[str, ...] = ("triton", "mosaic")
+GPU_VARIANT_ENV = "PALLAS_KERNELS_GPU_VARIANT"
+# Public kernels the Mosaic GPU port serves (all three run the paged flash
+# kernel of pallas_kernels.paged_attention.paged_flash).
+MOSAIC_KERNELS = frozenset(
+  {"paged_attention", "prefill_attention", "shared_prefix_attention"}
+)
+# Their modules in pallas_kernels/gpu_mosaic.
+_MOSAIC_MODULES = frozenset({"paged_attention"})
+_gpu_variant_choice: str | None = None
+
+
+def _check_gpu_variant(name: Any, where: str) -> str:
+  if name not in GPU_VARIANTS:
+    raise ValueError(f"{where}={name!r} must be one of {GPU_VARIANTS}.")
+  return name
+
+
+def current_gpu_variant() -> str:
+  """The GPU variant in force: :func:`set_gpu_variant`'s choice, else the
+  environment variable ``PALLAS_KERNELS_GPU_VARIANT``, else ``"triton"``."""
+  if _gpu_variant_choice is not None:
+    return _gpu_variant_choice
+  return _check_gpu_variant(
+    os.environ.get(GPU_VARIANT_ENV, "triton"), GPU_VARIANT_ENV
+  )
+
+
+def set_gpu_variant(name: str) -> str:
+  """Chooses the implementation of ``backend="pallas_gpu"``; returns the
+  previous choice.
+
+  ``"mosaic"`` serves the attention kernels through Mosaic GPU;
+  ``"triton"`` everything through the Triton-style variants. The choice is
+  read when a kernel is traced, so a change clears JAX's tracing caches
+  (``jax.clear_caches()``): functions jitted before it, the caller's own
+  included, are traced again with the new variant.
+  """
+  global _gpu_variant_choice
+  _check_gpu_variant(name, "set_gpu_variant(name)")
+  previous = current_gpu_variant()
+  _gpu_variant_choice = name
+  if name != previous:
+    jax.clear_caches()
+  return previous
 
 
 def gpu_variant(kernel: str) -> Any:
   """The module that implements ``kernel`` for ``backend="pallas_gpu"``.
 
-  Every kernel reaches its GPU variant through here, so swapping the
-  Triton-style variants for a Mosaic GPU port is a change to this function
-  and :data:`GPU_VARIANT` only. The module exposes ``*_unbatched`` functions
-  with the TPU variant's signature.
+  Every kernel reaches its GPU variant through here. The module exposes
+  ``*_unbatched`` functions with the TPU variant's signature. Kernels
+  without a Mosaic GPU port use the Triton-style module whatever the
+  variant.
   """
-  if GPU_VARIANT == "triton":
-    return importlib.import_module(f"pallas_kernels.gpu.{kernel}")
-  raise NotImplementedError(f"GPU_VARIANT={GPU_VARIANT!r}")
+  if current_gpu_variant() == "mosaic" and kernel in _MOSAIC_MODULES:
+    return importlib.import_module(f"pallas_kernels.gpu_mosaic.{kernel}")
+  return importlib.import_module(f"pallas_kernels.gpu.{kernel}")
 
 
 @functools.cache
@@ -184,7 +238,11 @@ def resolve_backend(
   if backend is None:
     if platform == "tpu":
       backend = "pallas_tpu"
-    elif platform == "gpu" and (wants_interpret or triton_available()):
+    elif platform == "gpu" and (
+      wants_interpret
+      or triton_available()
+      or (current_gpu_variant() == "mosaic" and kernel in MOSAIC_KERNELS)
+    ):
       backend = "pallas_gpu"
     elif wants_interpret or forced:
       backend = "pallas_tpu"
@@ -217,12 +275,14 @@ def resolve_backend(
       f"{kernel}: backend='pallas_gpu' needs a GPU or interpret=True; "
       f"jax.default_backend()={platform!r}."
     )
-  if triton_deprecation() is not None:
+  mosaic = current_gpu_variant() == "mosaic" and kernel in MOSAIC_KERNELS
+  if triton_deprecation() is not None and not mosaic:
     _log_once(
       kernel,
       f"compiled through the Pallas Triton backend, which jax "
       f"{jax.__version__} deprecates (JAX warns when it compiles); no "
-      "Mosaic GPU variant exists yet. backend='reference' avoids it.",
+      "Mosaic GPU port of this kernel exists yet (the attention kernels "
+      "have one: set_gpu_variant('mosaic')). backend='reference' avoids it.",
     )
   return backend, False
 

@@ -211,24 +211,28 @@ def merge_splits(
 
 
 def row_blocking(
-  num_rows: int, rows_per_token: int, interpret: Any
+  num_rows: int, rows_per_token: int, max_rows: int
 ) -> tuple[int, int, bool]:
   """``(rows_per_block, num_row_blocks, single_token)`` for ``R`` rows.
 
   A program holds a ``[rows, D]`` float32 accumulator in registers, so
   large query blocks (a shared-prefix group of many requests) are cut into
-  blocks of at most 64 rows (8 when interpreting, to exercise the path);
-  each block re-reads the group's pages, still far fewer reads than one per
-  request. Multi-token blocks hold whole tokens.
+  blocks of at most ``max_rows`` rows (64 compiled, 8 when interpreting, to
+  exercise the path); each block re-reads the group's pages, still far
+  fewer reads than one per request. Multi-token blocks hold whole tokens.
   """
-  cap = 8 if interpret else 64
   single_token = rows_per_token >= num_rows
   if single_token:
-    rows = min(num_rows, cap)
+    rows = min(num_rows, max_rows)
   else:
-    rows = rows_per_token * max(1, cap // rows_per_token)
+    rows = rows_per_token * max(1, max_rows // rows_per_token)
     rows = min(rows, -(-num_rows // rows_per_token) * rows_per_token)
   return rows, -(-num_rows // rows), single_token
+
+
+def max_block_rows(interpret: Any) -> int:
+  """Rows per program: 64 compiled, 8 interpreted (exercises the folding)."""
+  return 8 if interpret else 64
 
 
 def paged_flash_unbatched(
@@ -243,17 +247,48 @@ def paged_flash_unbatched(
   rows_per_token: int,
   interpret: Any,
 ) -> tuple[jax.Array, jax.Array]:
-  """GPU variant; returns ``(o [S, Hkv, R, D] f32, lse [S, Hkv, R, 1])``.
+  """GPU variant; returns ``(o [S, Hkv, R, D] f32, lse [S, Hkv, R, 1])``."""
+  return fold_row_blocks(
+    paged_flash_launch,
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    kv_lengths,
+    first_pos,
+    scale=scale,
+    rows_per_token=rows_per_token,
+    max_rows=max_block_rows(interpret),
+    interpret=interpret,
+  )
+
+
+def fold_row_blocks(
+  launch: Any,
+  q: jax.Array,  # [S, Hkv, R, D]
+  k_pages: jax.Array,  # [Hkv, N, K, D]
+  v_pages: jax.Array,  # [Hkv, N, K, D]
+  block_tables: jax.Array,  # [S, P] int32
+  kv_lengths: jax.Array,  # [S] int32
+  first_pos: jax.Array,  # [S] int32
+  *,
+  scale: float,
+  rows_per_token: int,
+  max_rows: int,
+  interpret: Any,
+) -> tuple[jax.Array, jax.Array]:
+  """Runs ``launch`` over query rows cut into blocks of <= ``max_rows``.
 
   Cuts the query rows into blocks (:func:`row_blocking`), folds the blocks
-  into the sequence axis of one launch, and unfolds the result.
+  into the sequence axis of one launch, and unfolds the result. ``launch``
+  has :func:`paged_flash_launch`'s signature (the Mosaic GPU variant's too).
   """
   num_seqs, num_kv_heads, num_rows, head_dim = q.shape
   rows, num_blocks, single_token = row_blocking(
-    num_rows, rows_per_token, interpret
+    num_rows, rows_per_token, max_rows
   )
   if num_blocks == 1:
-    return paged_flash_launch(
+    return launch(
       q,
       k_pages,
       v_pages,
@@ -276,7 +311,7 @@ def paged_flash_unbatched(
   else:
     offsets = block * (rows // rows_per_token)
   first = (first_pos[:, None] + offsets[None, :]).reshape(-1)
-  o, lse = paged_flash_launch(
+  o, lse = launch(
     q,
     k_pages,
     v_pages,
