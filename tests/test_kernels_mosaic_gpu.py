@@ -261,6 +261,35 @@ def test_unsupported_reason(dtype, head_dim, page_size, pages, needle):
     assert needle in reason
 
 
+class FakeGpu:
+  platform = "gpu"
+
+  def __init__(self, kind, capability):
+    self.device_kind, self.compute_capability = kind, capability
+
+
+@pytest.mark.parametrize(
+  ("kind", "capability", "needle"),
+  [
+    ("NVIDIA A100-SXM4-80GB", "8.0", "compute capability 8.0"),
+    ("NVIDIA L4", "8.9", "compute capability 8.9"),
+    ("NVIDIA B200", "10.0", "compute capability 10.0"),
+    ("NVIDIA H100 80GB HBM3", "9.0", None),
+    ("NVIDIA H200", "9.0", None),
+  ],
+)
+def test_only_hopper_runs_the_compiled_port(
+  monkeypatch, kind, capability, needle
+):
+  monkeypatch.setattr(jax, "devices", lambda *a: [FakeGpu(kind, capability)])
+  reason = mosaic.device_reason(False)
+  if needle is None:
+    assert reason is None
+  else:
+    assert needle in reason and kind in reason
+  assert mosaic.device_reason(True) is None  # interpret mode: any machine
+
+
 def test_gpu_variant_choice_is_validated(monkeypatch):
   with pytest.raises(ValueError, match="set_gpu_variant.*'cutlass'"):
     pk.set_gpu_variant("cutlass")

@@ -24,7 +24,8 @@ per ``(sequence, KV head, split)`` and one warpgroup per program:
 * the splits' partial states are merged exactly by log-sum-exp
   (:func:`pallas_kernels.gpu.paged_attention.merge_splits`).
 
-Supported (:func:`unsupported_reason`): ``float16`` / ``bfloat16`` inputs
+Supported (:func:`unsupported_reason`, :func:`device_reason`): a Hopper GPU
+(compute capability 9.x), ``float16`` / ``bfloat16`` inputs
 (WGMMA has no float32 path taking its left operand from registers), a page
 size of 8, 16, 32, 64 or 128 tokens (TMA tiles of 8 rows; tiles of whole
 pages, at least 64 tokens), a head dim that is a multiple of 16, and the
@@ -102,6 +103,28 @@ def unsupported_reason(
   need = smem_bytes(head_dim, page_size, pages_per_seq, dtype)
   if need > MAX_SMEM_BYTES:
     return f"{need} bytes of shared memory (at most {MAX_SMEM_BYTES})"
+  return None
+
+
+def device_reason(interpret: Any) -> str | None:
+  """Why the local GPU cannot run the compiled kernel, or ``None``.
+
+  TMA with WGMMA is Hopper's (compute capability 9.x): Ampere and Ada lack
+  both, and Blackwell (10.x) replaces WGMMA with ``tcgen05``. Interpret
+  mode, and lowering on a machine without a GPU, need no device.
+  """
+  if interpret:
+    return None
+  devices = [d for d in jax.devices() if d.platform == "gpu"]
+  if not devices:
+    return None
+  capability = str(getattr(devices[0], "compute_capability", "") or "")
+  major = capability.split(".")[0]
+  if major.isdigit() and int(major) != 9:
+    return (
+      f"compute capability {capability} of {devices[0].device_kind} "
+      "(needs 9.x, Hopper: TMA and WGMMA)"
+    )
   return None
 
 
@@ -349,11 +372,12 @@ def paged_flash_unbatched(
   """Mosaic GPU variant; returns ``(o [S, Hkv, R, D] f32, lse [S, Hkv, R, 1])``.
 
   Falls back to the Triton-style variant (with a logged reason, once) for
-  inputs this one does not support (:func:`unsupported_reason`).
+  inputs this one does not support (:func:`unsupported_reason`) and on GPUs
+  other than Hopper (:func:`device_reason`).
   """
   reason = unsupported_reason(
     q.dtype, q.shape[-1], k_pages.shape[2], block_tables.shape[1]
-  )
+  ) or device_reason(interpret)
   args = (q, k_pages, v_pages, block_tables, kv_lengths, first_pos)
   kwargs = dict(scale=scale, rows_per_token=rows_per_token, interpret=interpret)
   if reason is not None:
