@@ -12,6 +12,7 @@ does not take, and, where the CUDA plugin is installed, its lowering for
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 
@@ -248,9 +249,12 @@ def test_unsupported_inputs_fall_back_to_triton(rng, caplog):
     ("float32", 64, 16, 8, "dtype float32"),
     ("bfloat16", 64, 24, 8, "page size 24"),
     ("bfloat16", 40, 16, 8, "head dim 40"),
+    ("bfloat16", 96, 16, 8, "head dim 96"),
     ("bfloat16", 256, 128, 8, "bytes of shared memory"),
+    ("bfloat16", 256, 64, 64, "bytes of shared memory"),
+    ("bfloat16", 128, 16, 16500, "16500 pages per sequence"),
     ("float16", 128, 16, 4096, None),
-    ("bfloat16", 256, 64, 64, None),
+    ("bfloat16", 192, 64, 64, None),
   ],
 )
 def test_unsupported_reason(dtype, head_dim, page_size, pages, needle):
@@ -350,3 +354,47 @@ def test_mosaic_variant_lowers_for_cuda(kernel, mosaic_variant):
   with abstract_gpu():
     exported = export.export(jax.jit(fn), platforms=["cuda"])(*args)
   assert "mosaic_gpu" in exported.mlir_module(), plugin
+
+
+# Supported shapes at the edges of unsupported_reason: head dims 16 / 192,
+# pages 8 / 128, a 16,000-page table, a 6-token GQA group.
+EDGE_SHAPES = [
+  # (head_dim, page_size, pages_per_seq, rows, dtype)
+  (16, 8, 4096, 1, "bfloat16"),
+  (192, 64, 64, 6, "bfloat16"),
+  (128, 128, 512, 8, "float16"),
+  (128, 16, 16000 - 4096, 4, "bfloat16"),
+  (64, 32, 33, 64, "float16"),
+]
+
+
+@pytest.mark.parametrize(
+  ("head_dim", "page", "pages", "rows", "dtype"), EDGE_SHAPES
+)
+def test_supported_edge_shapes_lower_for_cuda(
+  head_dim, page, pages, rows, dtype
+):
+  """Whatever unsupported_reason accepts lowers through Mosaic GPU, not the
+  Triton fallback: the shapes at the edges of its rules (lowering found
+  the rules: a 48-token tile, a 96-wide head, a 544-entry table row and
+  an over-full shared memory all failed before they were written)."""
+  if cuda_plugin() is None:
+    pytest.skip("Mosaic GPU lowers only with a jax CUDA plugin installed")
+  assert mosaic.unsupported_reason(dtype, head_dim, page, pages) is None
+
+  def spec(shape, dt=dtype):
+    return jax.ShapeDtypeStruct(shape, dt)
+
+  pool = spec((2, pages + 1, page, head_dim))
+  fn = functools.partial(
+    mosaic.paged_flash_unbatched, scale=0.1, rows_per_token=1, interpret=False
+  )
+  exported = export.export(jax.jit(fn), platforms=["cuda"])(
+    spec((3, 2, rows, head_dim)),
+    pool,
+    pool,
+    spec((3, pages), jnp.int32),
+    spec((3,), jnp.int32),
+    spec((3,), jnp.int32),
+  )
+  assert "mosaic_gpu" in exported.mlir_module()

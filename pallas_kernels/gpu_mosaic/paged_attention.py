@@ -28,9 +28,10 @@ Supported (:func:`unsupported_reason`, :func:`device_reason`): a Hopper GPU
 (compute capability 9.x), ``float16`` / ``bfloat16`` inputs
 (WGMMA has no float32 path taking its left operand from registers), a page
 size of 8, 16, 32, 64 or 128 tokens (TMA tiles of 8 rows; tiles of whole
-pages, at least 64 tokens), a head dim that is a multiple of 16, and the
-shared-memory budget of a Hopper SM. Anything else is served by the
-Triton-style variant, with a logged reason.
+pages, at least 64 tokens), a head dim of 16, 32 or a multiple of 64 (the
+shared-memory swizzle), a block table short enough for one TMA copy (about
+16,000 pages), and the shared-memory budget of a Hopper SM. Anything else is
+served by the Triton-style variant, with a logged reason.
 
 Interpret mode (``interpret`` truthy) runs the same kernel in JAX's GPU
 interpret mode (``InterpretGPUParams``: simulated shared memory, TMA copies,
@@ -59,9 +60,11 @@ from pallas_kernels.gpu import paged_attention as triton_variant
 TILE_ROWS = 64
 # Leading int32 fields of a program's metadata row: kv_length, first_pos.
 META = 2
-# TMA copies must move a multiple of 128 bytes (the warpgroup size); the
-# metadata row is padded to 32 int32.
-META_ALIGN = 32
+# The metadata row travels as a [rows, 128] int32 tile: TMA copies move a
+# multiple of 128 bytes (the warpgroup size) and at most 256 elements along
+# each dimension, so a row holds at most 256 * 128 entries.
+META_COLS = 128
+MAX_META_ROWS = 256
 PAGE_SIZES = (8, 16, 32, 64, 128)
 # Dynamic shared memory of one H100 / H200 SM (227 KiB, CUDA C Programming
 # Guide, compute capability 9.0), as Mosaic GPU reports it.
@@ -74,19 +77,26 @@ def block_tokens(page_size: int) -> int:
   return max(64, page_size)
 
 
+def meta_rows(pages_per_seq: int, page_size: int) -> int:
+  """Rows of 128 int32 a program's metadata row may need: the table is
+  padded to whole splits, less than twice its pages plus one tile."""
+  width = META + 2 * pages_per_seq + block_tokens(page_size) // page_size
+  return -(-width // META_COLS)
+
+
 def smem_bytes(head_dim: int, page_size: int, pages_per_seq: int, dtype) -> int:
-  """Shared memory one program uses (two K and two V buffers)."""
+  """Shared memory one program uses (two K and two V buffers), with 4 KiB
+  for barriers and alignment (Mosaic GPU's own count ran 2.5 KiB above the
+  buffers' sum at head dim 256)."""
   itemsize = jnp.dtype(dtype).itemsize
   block_k = block_tokens(page_size)
-  width = META + pages_per_seq + block_k // page_size
-  width += -width % META_ALIGN
   return (
     TILE_ROWS * head_dim * itemsize  # q
     + 4 * block_k * head_dim * itemsize  # k, v, two slots each
     + TILE_ROWS * head_dim * 4  # o, float32
     + TILE_ROWS * 4  # lse
-    + width * 4  # metadata row
-    + 1024  # barriers and alignment
+    + meta_rows(pages_per_seq, page_size) * META_COLS * 4  # metadata
+    + 4096  # barriers and alignment
   )
 
 
@@ -98,8 +108,11 @@ def unsupported_reason(
     return f"dtype {jnp.dtype(dtype).name} (needs float16 or bfloat16)"
   if page_size not in PAGE_SIZES:
     return f"page size {page_size} (needs one of {PAGE_SIZES})"
-  if head_dim % 16:
-    return f"head dim {head_dim} (needs a multiple of 16)"
+  if not (head_dim in (16, 32) or head_dim % 64 == 0):
+    # Rows of 32, 64 or 128 bytes, or whole 128-byte swizzle tiles.
+    return f"head dim {head_dim} (needs 16, 32 or a multiple of 64)"
+  if meta_rows(pages_per_seq, page_size) > MAX_META_ROWS:
+    return f"{pages_per_seq} pages per sequence (one TMA copy of its table)"
   need = smem_bytes(head_dim, page_size, pages_per_seq, dtype)
   if need > MAX_SMEM_BYTES:
     return f"{need} bytes of shared memory (at most {MAX_SMEM_BYTES})"
@@ -179,7 +192,8 @@ def paged_flash_launch(
   meta = jnp.stack([kv_lengths, first_pos], axis=1)
   rows_info = jnp.concatenate([meta, tables], axis=1).astype(jnp.int32)
   width = rows_info.shape[1]
-  rows_info = jnp.pad(rows_info, ((0, 0), (0, -width % META_ALIGN)))
+  rows_info = jnp.pad(rows_info, ((0, 0), (0, -width % META_COLS)))
+  rows_info = rows_info.reshape(num_seqs, -1, META_COLS)
   q = jnp.pad(q, ((0, 0), (0, 0), (0, TILE_ROWS - num_rows), (0, 0)))
 
   itemsize = jnp.dtype(dtype).itemsize
@@ -215,8 +229,8 @@ def paged_flash_launch(
     plgpu.copy_gmem_to_smem(info_ref.at[seq], info_smem, in_bar.at[0])
     plgpu.copy_gmem_to_smem(q_ref.at[seq, head], q_smem, in_bar.at[1])
     plgpu.barrier_wait(in_bar.at[0])
-    kv_length = info_smem[0]
-    first = info_smem[1]
+    kv_length = info_smem[0, 0]
+    first = info_smem[0, 1]
     first_block = split * blocks_per_split
     last_block = jnp.maximum(
       first_block,
@@ -228,7 +242,8 @@ def paged_flash_launch(
 
     def fetch(block, slot):
       for j in range(pages_per_block):
-        page = info_smem[META + block * pages_per_block + j]
+        entry = META + block * pages_per_block + j
+        page = info_smem[entry // META_COLS, entry % META_COLS]
         rows = pl.ds(j * page_size, page_size)
         barrier = slot * pages_per_block + j
         plgpu.copy_gmem_to_smem(
@@ -342,7 +357,7 @@ def paged_flash_launch(
       plgpu.SMEM((2, block_k, head_dim), dtype, transforms=transforms),
       plgpu.SMEM((TILE_ROWS, head_dim), jnp.float32),
       plgpu.SMEM((TILE_ROWS,), jnp.float32),
-      plgpu.SMEM((rows_info.shape[1],), jnp.int32),
+      plgpu.SMEM(rows_info.shape[1:], jnp.int32),
       plgpu.Barrier(num_barriers=2),
       plgpu.Barrier(num_barriers=2 * pages_per_block),
       plgpu.Barrier(num_barriers=2 * pages_per_block),
