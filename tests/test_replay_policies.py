@@ -319,6 +319,26 @@ def test_next_use_steps_equal_next_use_from_keys(rng):
 # Argument rules (all refused before any compile).
 
 
+def test_a_broken_registered_factory_does_not_stop_naming_a_policy(monkeypatch):
+  """Naming an EvictionPolicy calls every registered factory; one that
+  raises (here NameError, as a doctest's factory did once its globals were
+  cleared, failing later tests in the same process) is skipped."""
+  from prefixjax.replay.frame import resolve_policy
+
+  def broken():
+    raise NameError("name 'gone' is not defined")
+
+  names = policies.policy_names()
+  monkeypatch.setitem(policies._REGISTRY, "broken", broken)
+  pick = names[np.random.default_rng().integers(len(names))]
+  built = policies.get_policy(pick)
+  assert resolve_policy(built, None) == (pick, {}, built)
+  custom = policies.EvictionPolicy(
+    init=lambda n: jnp.zeros(n, jnp.int32), score=lambda s, now: s
+  )
+  assert resolve_policy(custom, None) == ("custom", None, custom)
+
+
 def test_policy_argument_rules():
   trace = _hashed_trace(np.random.default_rng(0), 10, 2)
   plan = rp.plan_trace(trace, block_size=2)

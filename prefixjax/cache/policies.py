@@ -61,7 +61,7 @@ Example (a user-defined policy: evict the largest block id first):
   ...     score=lambda ids, now: -ids)
   >>> s = pc.init(8, 4, max_seqs=1, max_blocks_per_seq=4, policy=largest_id)
   >>> policies.register_policy(
-  ...     "largest_id", lambda: largest_id, overwrite=True)
+  ...     "largest_id", lambda policy=largest_id: policy, overwrite=True)
   >>> "largest_id" in policies.policy_names()
   True
 

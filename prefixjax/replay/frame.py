@@ -560,7 +560,9 @@ def resolve_policy(
       try:
         if policies.get_policy(name) is policy:
           return name, {}, policy
-      except (TypeError, ValueError):  # a factory without defaults
+      except Exception:  # noqa: BLE001 - a user factory that cannot be
+        # called bare (no defaults, or broken since it was registered) is
+        # not this policy; it must not stop the search.
         continue
     return "custom", None, policy
   if not isinstance(policy, str):
