@@ -144,6 +144,11 @@ def _log_once(kernel: str, message: str) -> None:
   logger.warning("pallas_kernels.%s: %s", kernel, message)
 
 
+def log_once(kernel: str, message: str) -> None:
+  """Logs a kernel's message (a fallback, a deprecation) once a process."""
+  _log_once(kernel, message)
+
+
 # JAX's message when a Triton-lowered pallas_call is compiled (jax 0.11.2,
 # 0.12.0.1: jax/_src/pallas/triton/pallas_call_registration.py).
 TRITON_DEPRECATION = re.compile(r"Pallas Triton backend is deprecated")

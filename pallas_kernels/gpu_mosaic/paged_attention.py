@@ -396,9 +396,9 @@ def paged_flash_unbatched(
   args = (q, k_pages, v_pages, block_tables, kv_lengths, first_pos)
   kwargs = dict(scale=scale, rows_per_token=rows_per_token, interpret=interpret)
   if reason is not None:
-    from pallas_kernels._dispatch import _log_once
+    from pallas_kernels._dispatch import log_once
 
-    _log_once(
+    log_once(
       "paged_attention",
       f"the Mosaic GPU variant does not support {reason}; using the "
       "Triton-style variant.",
