@@ -126,6 +126,11 @@ def set_gpu_variant(name: str) -> str:
   return previous
 
 
+def served_by_mosaic(kernel: str) -> bool:
+  """Whether ``backend="pallas_gpu"`` runs ``kernel`` through Mosaic GPU."""
+  return current_gpu_variant() == "mosaic" and kernel in MOSAIC_KERNELS
+
+
 def gpu_variant(kernel: str) -> Any:
   """The module that implements ``kernel`` for ``backend="pallas_gpu"``.
 
@@ -244,9 +249,7 @@ def resolve_backend(
     if platform == "tpu":
       backend = "pallas_tpu"
     elif platform == "gpu" and (
-      wants_interpret
-      or triton_available()
-      or (current_gpu_variant() == "mosaic" and kernel in MOSAIC_KERNELS)
+      wants_interpret or triton_available() or served_by_mosaic(kernel)
     ):
       backend = "pallas_gpu"
     elif wants_interpret or forced:
@@ -280,8 +283,7 @@ def resolve_backend(
       f"{kernel}: backend='pallas_gpu' needs a GPU or interpret=True; "
       f"jax.default_backend()={platform!r}."
     )
-  mosaic = current_gpu_variant() == "mosaic" and kernel in MOSAIC_KERNELS
-  if triton_deprecation() is not None and not mosaic:
+  if triton_deprecation() is not None and not served_by_mosaic(kernel):
     _log_once(
       kernel,
       f"compiled through the Pallas Triton backend, which jax "

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import export
+from test_kernels_support import nan_fill_unused
 
 import pallas_kernels as pk
 from pallas_kernels import _dispatch
@@ -64,14 +65,9 @@ def launch_case(rng, dtype, *, rows_per_token=None, shared=True):
   lengths = rng.integers(0, pages_per_seq * page_size + 1, num_seqs)
   lengths[rng.integers(num_seqs)] = pages_per_seq * page_size  # one full
   first = np.maximum(lengths - tokens, 0) - rng.integers(0, 3, num_seqs)
-  k = rng.standard_normal((num_kv_heads, num_pages, page_size, head_dim))
-  v = rng.standard_normal((num_kv_heads, num_pages, page_size, head_dim))
-  used = np.zeros((num_pages, page_size), bool)
-  for seq in range(num_seqs):
-    for t in range(lengths[seq]):
-      used[tables[seq, t // page_size], t % page_size] = True
-  k[:, ~used] = np.nan
-  v[:, ~used] = np.nan
+  shape = (num_kv_heads, num_pages, page_size, head_dim)
+  k = nan_fill_unused(rng.standard_normal(shape), tables, lengths)
+  v = nan_fill_unused(rng.standard_normal(shape), tables, lengths)
   q = rng.standard_normal((num_seqs, num_kv_heads, num_rows, head_dim))
   return dict(
     q=jnp.asarray(q, dtype),

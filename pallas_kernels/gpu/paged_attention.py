@@ -43,6 +43,7 @@ def split_plan(
   pages_per_seq: int,
   page_size: int,
   interpret: Any,
+  pages_per_block: int | None = None,
 ) -> tuple[int, int, int]:
   """``(pages_per_block, blocks_per_split, num_splits)`` for a launch.
 
@@ -50,10 +51,12 @@ def split_plan(
   programs (split-K, as in JAX's GPU paged attention), so a small batch still
   fills the GPU. Interpreted: two pages per block and one block per split,
   so CPU tests exercise the multi-page gather, the tail and the split merge.
+  A variant with its own tile (the Mosaic GPU port) passes
+  ``pages_per_block``; the split rule is the same.
   """
-  if interpret:
+  if pages_per_block is None and interpret:
     pages_per_block = min(2, pages_per_seq)
-  else:
+  elif pages_per_block is None:
     pages_per_block = max(1, min(pages_per_seq, 64 // page_size))
   num_blocks = -(-pages_per_seq // pages_per_block)
   if interpret:

@@ -174,18 +174,18 @@ def paged_flash_launch(
     raise ValueError(f"{num_rows} query rows; one launch takes <= {TILE_ROWS}")
   dtype = q.dtype
   block_k = block_tokens(page_size)
-  pages_per_block = block_k // page_size
   interpret = interpret_params(interpret)
   interpreting = interpret is not False
-  # Splits: as many as the Triton-style variant would use for this launch.
-  _, _, wanted = triton_variant.split_plan(
-    num_seqs, num_kv_heads, pages_per_seq, page_size, interpret=False
+  # The Triton-style variant's split rule over this variant's tiles (one
+  # tile per split when interpreting: exercises the merge on CPU).
+  pages_per_block, blocks_per_split, num_splits = triton_variant.split_plan(
+    num_seqs,
+    num_kv_heads,
+    pages_per_seq,
+    page_size,
+    interpreting,
+    pages_per_block=block_k // page_size,
   )
-  num_blocks = -(-pages_per_seq // pages_per_block)
-  if interpreting:
-    wanted = num_blocks  # one tile per split: exercises the merge on CPU.
-  blocks_per_split = -(-num_blocks // max(1, min(num_blocks, wanted)))
-  num_splits = -(-num_blocks // blocks_per_split)
   padded = num_splits * blocks_per_split * pages_per_block
   # Null-page padding: past every length, so never unmasked.
   tables = jnp.pad(block_tables, ((0, 0), (0, padded - pages_per_seq)))
