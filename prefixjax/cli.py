@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import sys
 
@@ -143,6 +144,7 @@ def _add_demo(subparsers) -> None:
 def _cmd_demo(args) -> int:
   import dataclasses
 
+  _check_outputs([("--json", args.json)])
   _start_jax(args)
 
   import jax
@@ -198,6 +200,17 @@ def _nonnegative_int(text: str) -> int:
   return value
 
 
+def _capacity(text: str) -> int:
+  """A cache capacity in blocks: 0 up to the int32 counters' limit (the
+  replay engines' rule, checked here before the trace is read)."""
+  value = _nonnegative_int(text)
+  if value > 2**31 - 2:
+    raise argparse.ArgumentTypeError(
+      f"{value} must be at most {2**31 - 2:_} (int32 block counts)"
+    )
+  return value
+
+
 def _policy_param(text: str) -> tuple[str, object]:
   """``KEY=VALUE`` of ``--policy-param``: the value as JSON (a number,
   ``true``, ``false``), else as the string itself."""
@@ -243,7 +256,7 @@ def _add_replay(subparsers) -> None:
   )
   p.add_argument(
     "--capacity",
-    type=_nonnegative_int,
+    type=_capacity,
     nargs="+",
     default=None,
     metavar="C",
@@ -358,18 +371,48 @@ def _check_output(flag: str, path: str) -> None:
   folder = os.path.dirname(os.path.abspath(path))
   if os.path.isdir(path):
     raise CliError(f"{flag} {path}: is a directory, not a file")
+  if os.path.exists(folder) and not os.path.isdir(folder):
+    raise CliError(f"{flag} {path}: {folder} is a file, not a folder")
   if not os.path.isdir(folder):
     raise CliError(f"{flag} {path}: folder {folder} does not exist")
   if not os.access(folder, os.W_OK):
     raise CliError(f"{flag} {path}: folder {folder} is not writable")
 
 
+def _check_outputs(outputs, inputs=()) -> None:
+  """:func:`_check_output` for each ``(flag, path)`` of ``outputs`` (None
+  paths skipped), and no output the same file as an input or as another
+  output: writing it would destroy the input, or one result the other."""
+  seen: dict[str, str] = {}
+  for flag, path in inputs:
+    if path:
+      seen[os.path.realpath(path)] = flag
+  given = {os.path.realpath(path) for _, path in inputs if path}
+  for flag, path in outputs:
+    if not path:
+      continue
+    _check_output(flag, path)
+    real = os.path.realpath(path)
+    if real in seen:
+      what = "the input" if real in given else "the output"
+      raise CliError(
+        f"{flag} {path}: is {what} of {seen[real]}; writing it would "
+        "overwrite that file (give another path)"
+      )
+    seen[real] = flag
+
+
 def _check_replay_args(args) -> None:
   """Flag rules checked before any work (the trace is not read yet)."""
-  if args.json:
-    _check_output("--json", args.json)
+  if args.limit is not None and not args.trace:
+    raise CliError(
+      "--limit reads the first N requests of --trace; for the built-in "
+      "workload there is no trace to cut (give --trace PATH)"
+    )
+  _check_outputs(
+    [("--json", args.json), ("--plot", args.plot)], [("--trace", args.trace)]
+  )
   if args.plot:
-    _check_output("--plot", args.plot)
     try:
       from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
@@ -783,8 +826,8 @@ def _positive_float(text: str) -> float:
     value = float(text)
   except ValueError:
     raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-  if not value > 0:
-    raise argparse.ArgumentTypeError(f"{value} must be > 0")
+  if not (value > 0 and math.isfinite(value)):
+    raise argparse.ArgumentTypeError(f"{value} must be a finite number > 0")
   return value
 
 
@@ -1032,10 +1075,10 @@ def _check_simulate_args(args):
         f"--workload {args.workload}: unknown; use one of "
         f"{', '.join(workload_kinds())}"
       )
-  if args.json:
-    _check_output("--json", args.json)
-  if args.requests_out:
-    _check_output("--requests-out", args.requests_out)
+  _check_outputs(
+    [("--json", args.json), ("--requests-out", args.requests_out)],
+    [("--trace", args.trace)],
+  )
   return _simulate_config(args)
 
 

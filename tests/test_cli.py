@@ -349,6 +349,57 @@ def test_cli_replay_flags_are_checked_before_the_trace_is_read(
   assert message in err and "not found" not in err
 
 
+@pytest.mark.parametrize(
+  "command",
+  [
+    ["replay", "--json", "{trace}"],
+    ["replay", "--json", "{tmp}/sub/../t.jsonl"],
+    ["replay", "--plot", "{trace}"],
+    ["simulate", "--json", "{trace}"],
+    ["simulate", "--requests-out", "{trace}"],
+    ["simulate", "--json", "{tmp}/m.json", "--requests-out", "{tmp}/m.json"],
+  ],
+)
+def test_an_output_that_is_an_input_or_another_output_is_refused(
+  command, tmp_path, capsys
+):
+  """Nothing is lost: an output path naming the trace (however spelt) or
+  another output of the same run is refused before any work."""
+  trace = tmp_path / "t.jsonl"
+  _write_mooncake(trace, [([1, 2], 1000, 4), ([1, 3], 900, 4)])
+  before = trace.read_bytes()
+  argv = [a.format(trace=trace, tmp=tmp_path) for a in command]
+  argv[1:1] = ["--trace", str(trace)]
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err
+  assert "writing it would overwrite that file" in err, err
+  assert trace.read_bytes() == before
+  assert not (tmp_path / "m.json").exists()
+
+
+def test_cli_flag_errors_come_before_any_work(tmp_path, capsys, monkeypatch):
+  """``demo --json`` into a missing folder and ``replay --limit`` without
+  a trace are refused before anything runs."""
+  import prefixjax.demo
+  from prefixjax import workloads
+
+  def boom(*a, **k):
+    raise AssertionError("work began")
+
+  monkeypatch.setattr(prefixjax.demo, "run_demo", boom)
+  monkeypatch.setattr(workloads, "default_workload", boom)
+  missing = tmp_path / "no" / "x.json"
+  assert cli.main(["demo", "--requests", "4", "--json", str(missing)]) == 2
+  assert f"--json {missing}: folder" in capsys.readouterr().err
+  assert cli.main(["replay", "--limit", "5"]) == 2
+  assert "--limit reads the first N requests of --trace" in (
+    capsys.readouterr().err
+  )
+  with pytest.raises(SystemExit):
+    cli.main(["replay", "--capacity", str(2**31 - 1)])
+  assert "must be at most 2_147_483_646" in capsys.readouterr().err
+
+
 def test_cli_replay_warns_that_length_only_traces_never_hit(tmp_path, capsys):
   trace = tmp_path / "lengths.csv"
   trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,40,2\n1,50,3\n")

@@ -88,6 +88,23 @@ def test_bad_flags_exit_2_naming_the_flag(extra, flag, capsys, monkeypatch):
   assert len(err.splitlines()) == 1 and flag in err, err
 
 
+@pytest.mark.parametrize(
+  "extra",
+  [
+    ["--step-time-ms", "inf"],
+    ["--step-time-ms", "nan"],
+    ["--arrivals", "poisson", "--step-time-ms", "1", "--rate", "inf"],
+  ],
+)
+def test_times_and_rates_must_be_finite(extra, capsys):
+  """A JSON summary cannot hold inf (strict parsers reject ``Infinity``)."""
+  with pytest.raises(SystemExit) as exit_info:
+    main(["simulate", *FLAGS, *extra])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert f"argument {extra[-2]}" in err and "must be a finite number" in err
+
+
 def test_priority_scheduler_matches_simulate_and_model(tmp_path, capsys):
   out, reqs_out = tmp_path / "m.json", tmp_path / "r.jsonl"
   argv = [*FLAGS, "--arrivals", "trace", "--step-time-ms", "5"]

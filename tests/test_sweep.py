@@ -273,6 +273,40 @@ _BAD = [
     "workloads.t.seed",
     "unknown field",
   ),
+  (
+    "[replay]\ncapacity = [8, 2147483647]\n",
+    "replay.capacity[1]",
+    "must be <= 2_147_483_646",
+  ),
+  (
+    "[simulate]\nnum_blocks = [300, 134217728]\n",
+    "simulate",
+    "overflow int32 slot ids",
+  ),
+  (
+    "[workloads.t]\ntrace = '.'\n[replay]\ncapacity = 8\n",
+    "workloads.t.trace",
+    "is a folder, not a trace file",
+  ),
+  # [full] is checked whether or not --full applies it.
+  (
+    "[workloads.w]\nrequests = 9\n[replay]\ncapacity = 8\n"
+    "[full]\nworkloads.v.requests = 99\n",
+    "full.workloads.v",
+    "only the workloads the spec defines (w)",
+  ),
+  (
+    "[replay]\ncapacity = 8\n[full]\nreplay.capasity = [9]\n",
+    "full.replay.capasity",
+    "did you mean 'capacity'",
+  ),
+  (
+    "[workloads.w]\nrequests = 9\n[replay]\ncapacity = 8\n"
+    "[full]\nworkloads.w.requests = -4\n",
+    "workloads.w.requests",
+    ">= 1, got -4 (with [full] applied)",
+  ),
+  ("[replay]\ncapacity = 8\n[full]\nreplay = 3\n", "full.replay", "table"),
 ]
 
 
@@ -712,6 +746,75 @@ def test_the_block_size_figure_is_told_its_cache_size(tmp_path, monkeypatch):
     ("block_size_w_vllm_1024tokens.png", 1024),
     ("block_size_w_vllm_4096tokens.png", 4096),
   ]
+
+
+def _hash_trace(path, rng, n):
+  """A Mooncake-format trace of ``n`` requests sharing a few prefixes."""
+  with open(path, "w") as f:
+    for i in range(n):
+      prefix = [0, 1, 2][: int(rng.integers(0, 4))]
+      own = [1000 + 10 * i + j for j in range(int(rng.integers(1, 4)))]
+      ids = prefix + own
+      length = 512 * (len(ids) - 1) + int(rng.integers(1, 513))
+      row = {"timestamp": i, "input_length": length, "output_length": 8}
+      f.write(json.dumps({**row, "hash_ids": ids}) + "\n")
+
+
+def test_a_changed_trace_file_is_refused_not_resumed(rng, tmp_path):
+  """Rows computed from a trace file are not mixed with its new bytes: the
+  results folder records the file's digest, and a rerun after the file
+  changed is refused before any point runs."""
+  trace = tmp_path / "t.jsonl"
+  _hash_trace(trace, rng, int(rng.integers(20, 40)))
+  path = _write(
+    tmp_path,
+    "[workloads.t]\ntrace = 't.jsonl'\n"
+    "[replay]\ncapacity = [4, 16]\nblock_size = 512\n",
+  )
+  out = tmp_path / "out"
+  first = run_sweep(path, out, plots=False)
+  assert run_sweep(path, out, plots=False).rows == first.rows  # unchanged
+  before = sorted((out / "points").iterdir())
+  lines = trace.read_text().splitlines()
+  trace.write_text("\n".join(lines[1:]) + "\n")
+  with pytest.raises(SweepError, match="t.jsonl.*has changed since"):
+    run_sweep(path, out, plots=False)
+  assert sorted((out / "points").iterdir()) == before
+  again = run_sweep(path, tmp_path / "fresh", plots=False)
+  assert [r["total_tokens"] for r in again.rows] != [
+    r["total_tokens"] for r in first.rows
+  ]
+
+
+def test_a_hash_trace_at_another_block_size_is_refused_before_any_point(
+  rng, tmp_path
+):
+  _hash_trace(tmp_path / "t.jsonl", rng, 10)
+  path = _write(
+    tmp_path,
+    "[workloads.a]\ngenerator = 'system_prompt'\nrequests = 20\n"
+    "[workloads.t]\ntrace = 't.jsonl'\n[replay]\ncapacity = [4, 16]\n",
+  )
+  out = tmp_path / "out"
+  with pytest.raises(SweepError) as err:
+    run_sweep(path, out, plots=False)
+  message = str(err.value)
+  assert message.startswith(str(path)) and "workload t" in message
+  assert "block_size=16 differs from the hash block size 512" in message
+  assert not (out / "points").exists() or not any((out / "points").iterdir())
+
+
+def test_a_folder_of_other_files_is_not_written_into(tmp_path):
+  path = _write(tmp_path, "[replay]\ncapacity = 8\n")
+  out = tmp_path / "mine"
+  out.mkdir()
+  (out / "results.csv").write_text("my own numbers\n")
+  with pytest.raises(SweepError, match="not a sweep's results"):
+    run_sweep(path, out, plots=False)
+  assert (out / "results.csv").read_text() == "my own numbers\n"
+  (tmp_path / "afile").write_text("")
+  with pytest.raises(SweepError, match="afile is a file, not a folder"):
+    run_sweep(path, tmp_path / "afile" / "sub", plots=False)
 
 
 def test_an_absent_trace_skips_its_points_with_the_reason(tmp_path):

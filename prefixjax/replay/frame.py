@@ -506,7 +506,10 @@ def check_capacities(capacities, *, minimum: int = 0) -> list[int]:
   if min(capacities) < minimum:
     raise ValueError(f"capacities={capacities} must be >= {minimum}")
   if max(capacities) >= 2**31 - 1:
-    raise ValueError(f"capacity={max(capacities)} does not fit in int32")
+    raise ValueError(
+      f"capacity={max(capacities)} must be at most {2**31 - 2:_} (the "
+      "engines count blocks, and one more, in int32)"
+    )
   return capacities
 
 

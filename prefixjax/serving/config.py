@@ -184,6 +184,12 @@ class ServingConfig:
       raise ValueError(
         f"ServingConfig.max_model_len={self.max_model_len} must be >= 1"
       )
+    if self.num_gpu_blocks * self.block_size >= 2**31:
+      raise ValueError(
+        f"ServingConfig.num_gpu_blocks={self.num_gpu_blocks} * block_size="
+        f"{self.block_size} token slots overflow int32 slot ids (at most "
+        f"{2**31 - 1:_})"
+      )
     vllm = self.semantics == "vllm"
     if vllm and self.max_num_batched_tokens < self.max_num_seqs:
       raise ValueError(

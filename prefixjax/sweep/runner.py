@@ -302,15 +302,33 @@ def _row_head(p: Point) -> dict[str, Any]:
   }
 
 
-def _check_out(out: pathlib.Path, spec: SweepSpec) -> None:
+def _check_out(
+  out: pathlib.Path, spec: SweepSpec, digests: dict[str, str]
+) -> None:
+  """Refuses an ``out`` that is not a writable folder, that holds other
+  files than a sweep's, or another spec's results, or results computed
+  from a trace file whose bytes have changed since (``digests``: the trace
+  workloads' :meth:`~prefixjax.sweep.spec.WorkloadSpec.content_digest`)."""
   if out.exists() and not out.is_dir():
     raise SweepError(f"--out {out}: exists and is not a folder")
   parent = out if out.exists() else out.parent
   while not parent.exists():
     parent = parent.parent
+  if not parent.is_dir():
+    raise SweepError(f"--out {out}: {parent} is a file, not a folder")
   if not os.access(parent, os.W_OK):
     raise SweepError(f"--out {out}: {parent} is not writable")
   recorded = out / "spec.json"
+  if out.is_dir() and not recorded.exists():
+    # A killed run's temporary files start with a dot.
+    others = sorted(f.name for f in out.iterdir() if f.name[0] != ".")
+    if others:
+      raise SweepError(
+        f"--out {out}: holds files that are not a sweep's results ("
+        f"{', '.join(others[:3])}{', ...' if len(others) > 3 else ''}; no "
+        "spec.json): use an empty or new folder, so nothing there is "
+        "overwritten"
+      )
   if recorded.exists():
     try:
       old = json.loads(recorded.read_text())
@@ -325,6 +343,32 @@ def _check_out(out: pathlib.Path, spec: SweepSpec) -> None:
         f"has {len(spec.points)}): use another --out, or delete {out} to "
         "start over"
       )
+    for name, digest in (old.get("trace_digests") or {}).items():
+      now = digests.get(name)
+      if now is not None and now != digest:
+        raise SweepError(
+          f"--out {out}: the trace of workload {name} "
+          f"({spec.workloads[name].trace}) has changed since the results "
+          f"there were computed (sha256 {digest[:12]}... then, "
+          f"{now[:12]}... now): use another --out, or delete {out} to "
+          "start over"
+        )
+
+
+def _check_block_size(spec: SweepSpec, p: Point, trace) -> None:
+  """A replay point of a hash-id trace (Mooncake) runs at the trace's hash
+  block size only; refused before any point runs (the spec cannot know the
+  size before the file is read)."""
+  if p.mode != "replay" or not trace.has_hash_ids:
+    return
+  if p.get("block_size") != trace.hash_block_size:
+    raise SweepError(
+      f"{spec.path or '<spec>'}: replay point {p.index} (workload "
+      f"{p.workload.name}): block_size={p.get('block_size')} differs from "
+      f"the hash block size {trace.hash_block_size} of {p.workload.trace}: "
+      "hash ids name blocks of that size only; set block_size = "
+      f"{trace.hash_block_size} for this workload's replay points"
+    )
 
 
 def _load_done(
@@ -410,9 +454,15 @@ def run_sweep(
   say = log or (lambda m: print(m, file=sys.stderr))
   folder = None
   done: dict[str, dict] = {}
+  digests = {}
   if out is not None:
     out = pathlib.Path(out)
-    _check_out(out, spec)
+    digests = {
+      name: d
+      for name, w in sorted(spec.workloads.items())
+      if (d := w.content_digest()) is not None
+    }
+    _check_out(out, spec, digests)
     folder = out / "points"
     done = _load_done(folder, spec, clean=count == 1)
   for sem, policy, n in spec.left_out:
@@ -444,10 +494,14 @@ def run_sweep(
       if p.workload.name == name and p.key not in done:
         if _workload_key(p) not in traces:
           traces[_workload_key(p)] = p.workload.load()
+        _check_block_size(spec, p, traces[_workload_key(p)])
   if out is not None:
     out.mkdir(parents=True, exist_ok=True)
+    # spec.json first: another process of the run then never sees a
+    # folder with files but no spec.json (which _check_out refuses).
+    described = {**spec.describe(), "trace_digests": digests}
+    _atomic_write(out / "spec.json", json.dumps(described, indent=1))
     folder.mkdir(exist_ok=True)
-    _atomic_write(out / "spec.json", json.dumps(spec.describe(), indent=1))
   reused = len(done)
   if done:
     say(f"resuming: {len(done)} of {len(spec.points)} points already done")

@@ -132,12 +132,14 @@ def _fail(where: str, rule: str):
   raise SpecError(f"{where}: {rule}")
 
 
-def _int(minimum: int):
+def _int(minimum: int, maximum: int | None = None):
   def check(where, v):
     if isinstance(v, bool) or not isinstance(v, int):
       _fail(where, f"must be an integer, got {v!r}")
     if v < minimum:
       _fail(where, f"must be >= {minimum}, got {v}")
+    if maximum is not None and v > maximum:
+      _fail(where, f"must be <= {maximum:_} (int32 block counts), got {v:_}")
     return v
 
   return check
@@ -237,6 +239,9 @@ def _workload_kinds():
   return tuple(workload_kinds())
 
 
+# The replay engines count blocks in int32 (prefixjax.replay.frame).
+_MAX_CAPACITY = 2**31 - 2
+
 REPLAY_FIELDS: dict[str, _Field] = {
   "workload": _Field(_choice(lambda: ()), help="a [workloads] name"),
   "semantics": _Field(_choice(_semantics), "kvcache-sim"),
@@ -251,9 +256,11 @@ REPLAY_FIELDS: dict[str, _Field] = {
     help="keyword parameters of the policy's factory (a table)",
   ),
   "block_size": _Field(_int(1), 16),
-  "capacity": _Field(_optional(_int(1)), None, help="cache blocks"),
+  "capacity": _Field(
+    _optional(_int(1, _MAX_CAPACITY)), None, help="cache blocks"
+  ),
   "capacity_tokens": _Field(
-    _optional(_int(1)),
+    _optional(_int(1, 2**31 - 1)),
     None,
     help="cache size in tokens instead: capacity = capacity_tokens // K",
   ),
@@ -364,6 +371,15 @@ class WorkloadSpec:
     if self.trace is not None and not pathlib.Path(self.trace).is_file():
       return f"trace file {self.trace} is absent"
     return None
+
+  def content_digest(self) -> str | None:
+    """SHA-256 of the trace file's bytes (None for a generator or an absent
+    file): a results folder records it, so that a changed file is not
+    resumed into rows computed from the old one."""
+    if self.trace is None or self.missing():
+      return None
+    with open(self.trace, "rb") as handle:
+      return hashlib.file_digest(handle, "sha256").hexdigest()
 
   def load(self):
     """The :class:`prefixjax.workloads.Trace`."""
@@ -493,6 +509,8 @@ def load_spec(path, *, full: bool = False) -> SweepSpec:
       rule (file, field, rule).
   """
   p = pathlib.Path(path)
+  if p.is_dir():
+    raise SpecError(f"{p}: is a folder, not a spec file")
   if not p.is_file():
     raise SpecError(f"{p}: no such spec file")
   try:
@@ -536,14 +554,16 @@ def parse_spec(
   full_table = data.get("full", {})
   if not isinstance(full_table, Mapping):
     raise SpecError(f"{label}: full: must be a table")
+  _check_full(full_table, data, label)
   if full:
-    for k in full_table:
-      if k not in _TOP or k in ("full", "points"):
-        raise SpecError(
-          f"{label}: full.{k}: [full] may change sweep, workloads, replay "
-          "or simulate"
-        )
     data = _merge(dict(data), full_table, "full")
+  elif full_table:
+    # The accelerator scale is checked on every read, so that a mistake in
+    # [full] shows before the run that applies it.
+    try:
+      parse_spec(data, source=source, full=True)
+    except SpecError as err:
+      raise SpecError(f"{err} (with [full] applied)") from None
   sweep = _table(data, "sweep", label)
   for k in sweep:
     if k not in _SWEEP_KEYS:
@@ -645,6 +665,46 @@ def parse_spec(
   )
 
 
+def _check_full(full_table: Mapping, data: Mapping, label: str) -> None:
+  """``[full]``'s keys: the tables it may change, their known fields, and
+  only workloads the spec defines (a misspelt name would add one)."""
+  for k, v in full_table.items():
+    if k not in _TOP or k in ("full", "points"):
+      raise SpecError(
+        f"{label}: full.{k}: [full] may change sweep, workloads, replay "
+        "or simulate"
+      )
+    if not isinstance(v, Mapping):
+      raise SpecError(f"{label}: full.{k}: must be a table")
+  for k, known in (
+    ("sweep", _SWEEP_KEYS),
+    ("replay", tuple(REPLAY_FIELDS)),
+    ("simulate", tuple(SIMULATE_FIELDS)),
+  ):
+    for field in full_table.get(k, {}):
+      if field not in known:
+        _unknown(f"{label}: full.{k}", field, known)
+  defined = data.get("workloads", {})
+  defined = defined if isinstance(defined, Mapping) else {}
+  for name, w in full_table.get("workloads", {}).items():
+    if name not in defined:
+      raise SpecError(
+        f"{label}: full.workloads.{name}: [full] may change only the "
+        f"workloads the spec defines ({', '.join(defined) or 'none'})"
+      )
+    if not isinstance(w, Mapping):
+      raise SpecError(f"{label}: full.workloads.{name}: must be a table")
+    base = defined[name]
+    known = (
+      _TRACE_KEYS
+      if isinstance(base, Mapping) and "trace" in base
+      else _WORKLOAD_KEYS
+    )
+    for field in w:
+      if field not in known:
+        _unknown(f"{label}: full.workloads.{name}", field, known)
+
+
 def _table(data, key, label) -> Mapping:
   v = data.get(key, {})
   if not isinstance(v, Mapping):
@@ -683,6 +743,8 @@ def _workloads(table, label, base) -> dict[str, WorkloadSpec]:
       path = pathlib.Path(trace).expanduser()
       if not path.is_absolute():
         path = (base / path).resolve()
+      if path.exists() and not path.is_file():
+        raise SpecError(f"{where}.trace: {path} is a folder, not a trace file")
       out[name] = WorkloadSpec(
         name=name, trace=str(path), format=fmt, limit=limit
       )
