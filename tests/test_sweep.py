@@ -804,6 +804,29 @@ def test_a_hash_trace_at_another_block_size_is_refused_before_any_point(
   assert not (out / "points").exists() or not any((out / "points").iterdir())
 
 
+def test_a_capacity_below_the_largest_request_is_refused_before_any_point(
+  tmp_path,
+):
+  """The vllm and sglang replay engines need room for the largest request;
+  a sweep says so for the spec's point before running any (kvcache-sim
+  points of the same grid run at such a capacity)."""
+  path = _write(
+    tmp_path,
+    "[workloads.a]\ngenerator = 'system_prompt'\nrequests = 20\n"
+    "[replay]\nsemantics = ['kvcache-sim', 'sglang']\ncapacity = [2, 4000]\n",
+  )
+  trace = load_spec(path).workloads["a"].load()
+  need = -(-int(np.max(trace.kv_tokens)) // 16)
+  assert need > 2
+  out = tmp_path / "out"
+  with pytest.raises(SweepError) as err:
+    run_sweep(path, out, plots=False)
+  message = str(err.value)
+  assert message.startswith(f"{path}: replay point 2 (workload a)"), message
+  assert f"at least {need}" in message and "sglang" in message
+  assert not (out / "points").exists() or not any((out / "points").iterdir())
+
+
 def test_a_folder_of_other_files_is_not_written_into(tmp_path):
   path = _write(tmp_path, "[replay]\ncapacity = 8\n")
   out = tmp_path / "mine"

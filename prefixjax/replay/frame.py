@@ -513,6 +513,16 @@ def check_capacities(capacities, *, minimum: int = 0) -> list[int]:
   return capacities
 
 
+def largest_request_blocks(trace, block_size: int) -> tuple[int, int]:
+  """``(blocks, request)``: the most blocks of ``block_size`` tokens one
+  request's KV needs (its prompt and output, ``trace.kv_tokens``), and
+  which request. The vllm and sglang engines refuse a capacity below it:
+  a request that cannot fit would wait forever."""
+  totals = np.asarray(trace.kv_tokens)
+  biggest = int(np.argmax(totals))
+  return int(-(-int(totals[biggest]) // block_size)), biggest
+
+
 def resolve_policy(
   policy: str | policies.EvictionPolicy = "lru",
   policy_params: Mapping[str, Any] | None = None,

@@ -753,10 +753,9 @@ def _check(trace: Trace, block_size, capacities, warmup_fraction):
     if isinstance(capacity, bool) or not isinstance(capacity, int | np.integer):
       raise TypeError(f"capacity={capacity!r} must be an int")
   totals = trace.kv_tokens
-  need = int(_cdiv(int(totals.max()), block_size))
+  need, biggest = frame.largest_request_blocks(trace, block_size)
   for capacity in capacities:
     if capacity < need or capacity >= 2**31:
-      biggest = int(np.argmax(totals))
       raise ValueError(
         f"capacity={capacity} pages cannot hold the largest request "
         f"(request {biggest}: {int(totals[biggest])} tokens with KV need "

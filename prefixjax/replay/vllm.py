@@ -658,7 +658,7 @@ def _check(trace, block_size, capacities, warmup_fraction, publish, version):
   if len(trace) == 0:
     raise ValueError(f"trace {trace.name!r} has no requests")
   capacities = frame.check_capacities(capacities)
-  need = int(-(-int(trace.kv_tokens.max()) // block_size))
+  need, _ = frame.largest_request_blocks(trace, block_size)
   for capacity in capacities:
     if capacity < need:
       raise ValueError(

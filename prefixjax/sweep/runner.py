@@ -355,20 +355,36 @@ def _check_out(
         )
 
 
-def _check_block_size(spec: SweepSpec, p: Point, trace) -> None:
-  """A replay point of a hash-id trace (Mooncake) runs at the trace's hash
-  block size only; refused before any point runs (the spec cannot know the
-  size before the file is read)."""
-  if p.mode != "replay" or not trace.has_hash_ids:
+def _check_on_trace(spec: SweepSpec, p: Point, trace) -> None:
+  """The replay rules that need the workload read, checked for every point
+  before any runs (a spec cannot know them): a hash-id trace (Mooncake)
+  replays at its hash block size only, and the vllm and sglang engines
+  need room for the largest request."""
+  if p.mode != "replay":
     return
-  if p.get("block_size") != trace.hash_block_size:
+  where = (
+    f"{spec.path or '<spec>'}: replay point {p.index} (workload "
+    f"{p.workload.name})"
+  )
+  block_size = p.get("block_size")
+  if trace.has_hash_ids and block_size != trace.hash_block_size:
     raise SweepError(
-      f"{spec.path or '<spec>'}: replay point {p.index} (workload "
-      f"{p.workload.name}): block_size={p.get('block_size')} differs from "
-      f"the hash block size {trace.hash_block_size} of {p.workload.trace}: "
-      "hash ids name blocks of that size only; set block_size = "
-      f"{trace.hash_block_size} for this workload's replay points"
+      f"{where}: block_size={block_size} differs from the hash block size "
+      f"{trace.hash_block_size} of {p.workload.trace}: hash ids name "
+      f"blocks of that size only; set block_size = {trace.hash_block_size} "
+      "for this workload's replay points"
     )
+  if p.get("semantics") in ("vllm", "sglang") and len(trace):
+    from prefixjax.replay.frame import largest_request_blocks
+
+    need, biggest = largest_request_blocks(trace, block_size)
+    if p.get("capacity") < need:
+      raise SweepError(
+        f"{where}: capacity={p.get('capacity')} blocks cannot hold the "
+        f"largest request under {p.get('semantics')} semantics (request "
+        f"{biggest}: {need} blocks of {block_size} tokens); give "
+        f"replay.capacity values of at least {need}"
+      )
 
 
 def _load_done(
@@ -494,7 +510,7 @@ def run_sweep(
       if p.workload.name == name and p.key not in done:
         if _workload_key(p) not in traces:
           traces[_workload_key(p)] = p.workload.load()
-        _check_block_size(spec, p, traces[_workload_key(p)])
+        _check_on_trace(spec, p, traces[_workload_key(p)])
   if out is not None:
     out.mkdir(parents=True, exist_ok=True)
     # spec.json first: another process of the run then never sees a
