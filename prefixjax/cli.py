@@ -260,8 +260,9 @@ def _add_replay(subparsers) -> None:
     nargs="+",
     default=None,
     metavar="C",
-    help="cache capacities in blocks (default: 1%%, 5%%, 10%%, 20%% of the "
-    "trace's distinct blocks)",
+    help="cache capacities in blocks (default: kvcache-sim 1%%, 5%%, 10%%, "
+    "20%% of the trace's distinct blocks; vllm and sglang 2, 8, 32 and 128 "
+    "times the blocks of the largest request)",
   )
   p.add_argument(
     "--policy",
@@ -1101,6 +1102,10 @@ def _cmd_simulate(args) -> int:
     trace = load_trace(
       args.trace, args.format, limit=args.requests, cache=args.trace_cache
     )
+    from prefixjax.serving.simulate import no_output_message
+
+    if why := no_output_message(trace, args.trace):
+      raise CliError(why)
     if not trace.has_token_ids and not trace.has_hash_ids:
       _warn(
         f"{args.trace} has lengths only (no token ids, no hash ids): it "
@@ -1283,10 +1288,19 @@ def main(argv=None) -> int:
     return EXIT_USAGE
   try:
     return args.func(args)
-  except (CliError, ValueError, TypeError, OSError) as err:
+  except (CliError, ValueError, TypeError, OSError, OverflowError) as err:
     if args.debug:
       raise
     print(f"prefixjax {args.command}: error: {err}", file=sys.stderr)
+    return EXIT_USAGE
+  except MemoryError as err:
+    if args.debug:
+      raise
+    print(
+      f"prefixjax {args.command}: error: out of host memory ({err}): the "
+      "workload or configuration is too large for this machine",
+      file=sys.stderr,
+    )
     return EXIT_USAGE
 
 

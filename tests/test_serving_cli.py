@@ -228,6 +228,21 @@ def _mooncake_rows(rng, n):
   return rows
 
 
+def test_a_trace_request_without_output_is_refused_naming_it(
+  tmp_path, capsys, rng
+):
+  rows = _mooncake_rows(rng, int(rng.integers(3, 9)))
+  empty = int(rng.integers(len(rows)))
+  rows[empty]["output_length"] = 0
+  path = tmp_path / "mooncake.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  assert main(["simulate", "--trace", str(path), "--no-compile-cache"]) == 2
+  err = capsys.readouterr().err
+  assert (
+    f"{path}: request {empty} (0-based; 1 in all) has output_length 0" in err
+  )
+
+
 def test_a_mooncake_trace_is_served_with_its_sharing(tmp_path, capsys, rng):
   """Hash ids become tokens (equal ids, equal tokens). One request at a
   time in a pool that never evicts, each first-admission hit is the longest

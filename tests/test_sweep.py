@@ -183,6 +183,8 @@ _BAD = [
     "clock=steps",
   ),
   ("[sweep]\nname = 3\n", "sweep.name", "string"),
+  ("[sweep]\nname = '/tmp/x'\n", "sweep.name", "must be a plain name"),
+  ("[sweep]\nname = '../up'\n", "sweep.name", "must be a plain name"),
   ("[sweeps]\n", "sweeps", "unknown"),
   ("", "nothing to run", "[replay]"),
   ("[replay\n", "not valid TOML", "line 1"),
@@ -827,6 +829,33 @@ def test_a_capacity_below_the_largest_request_is_refused_before_any_point(
   assert not (out / "points").exists() or not any((out / "points").iterdir())
 
 
+def test_a_trace_request_without_output_is_refused_before_any_point(
+  rng, tmp_path
+):
+  trace = tmp_path / "t.jsonl"
+  _hash_trace(trace, rng, 12)
+  lines = trace.read_text().splitlines()
+  empty = int(rng.integers(len(lines)))
+  lines[empty] = lines[empty].replace(
+    '"output_length": 8', '"output_length": 0'
+  )
+  trace.write_text("\n".join(lines) + "\n")
+  path = _write(
+    tmp_path,
+    "[workloads.a]\ngenerator = 'system_prompt'\nrequests = 20\n"
+    "[workloads.t]\ntrace = 't.jsonl'\n"
+    "[simulate]\nnum_blocks = 64\nblock_size = 512\nmax_model_len = 4096\n",
+  )
+  out = tmp_path / "out"
+  with pytest.raises(SweepError) as err:
+    run_sweep(path, out, plots=False)
+  assert str(err.value).startswith(
+    f"{path}: simulate point 1 (workload t): {trace}: request {empty} "
+    "(0-based; 1 in all) has output_length 0"
+  ), err.value
+  assert not (out / "points").exists() or not any((out / "points").iterdir())
+
+
 def test_a_folder_of_other_files_is_not_written_into(tmp_path):
   path = _write(tmp_path, "[replay]\ncapacity = 8\n")
   out = tmp_path / "mine"
@@ -1105,6 +1134,12 @@ def test_distributed_flags_need_distributed(tmp_path, capsys):
   path = _write(tmp_path, "[replay]\ncapacity = 8\n")
   assert main(["sweep", str(path), "--process-id", "1"]) == 2
   assert "--process-id is for --distributed" in capsys.readouterr().err
+  for address in ("nohost", "host:", ":1234", "host:99999", "host:x"):
+    argv = ["sweep", str(path), "--out", str(tmp_path / "o"), "--distributed"]
+    argv += ["--coordinator-address", address, "--num-processes", "2"]
+    assert main([*argv, "--process-id", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"--coordinator-address {address!r}: must be HOST:PORT" in err
 
 
 # ---------------------------------------------------------------------------

@@ -175,6 +175,10 @@ def test_mooncake_block_size_from_argument_or_records(tmp_path):
       json.dumps(_mooncake_record(block_size=0)),
       "block_size must be a positive integer",
     ),
+    (
+      json.dumps(_mooncake_record(output_length=5_000_000_000_000)),
+      "output_length = 5_000_000_000_000 does not fit in int32",
+    ),
   ],
 )
 def test_mooncake_malformed_line_is_located(tmp_path, bad, match):
@@ -368,6 +372,10 @@ def test_csv_columns_in_any_order_and_numeric_timestamps(tmp_path):
     ("2023-11-16 18:15:46,12", "expected at least 3 columns, got 2"),
     ("2023-13-16 18:15:46,1,1", "TIMESTAMP '2023-13-16 18:15:46' is not"),
     ("yesterday,1,1", "TIMESTAMP 'yesterday' is not a datetime"),
+    (
+      "2023-11-16 18:15:46,2147483648,3",
+      "ContextTokens = 2_147_483_648 does not fit in int32",
+    ),
   ],
 )
 def test_csv_malformed_row_is_located(tmp_path, row, match):
@@ -505,6 +513,25 @@ def test_gzip_content_is_read_whatever_the_file_is_called(tmp_path, rng):
   path = tmp_path / "trace.jsonl"  # gzip bytes, no .gz suffix
   path.write_bytes(gzip.compress("".join(x + "\n" for x in lines).encode()))
   assert load_trace(path).input_lengths.tolist() == lengths
+
+
+@pytest.mark.parametrize("cut", ["magic", "truncated", "corrupt"])
+def test_broken_gzip_is_refused_with_the_path(tmp_path, rng, cut):
+  lines = _jsonl([_mooncake_record() for _ in range(50)])
+  whole = gzip.compress("".join(x + "\n" for x in lines).encode())
+  if cut == "magic":
+    data = whole[:2] + b"XXXXtrunc"
+  elif cut == "truncated":
+    data = whole[: int(rng.integers(12, len(whole) - 8))]
+  else:
+    data = bytearray(whole)
+    data[len(whole) // 2] ^= 0xFF
+    data = bytes(data)
+  path = tmp_path / "trace.jsonl.gz"
+  path.write_bytes(data)
+  with pytest.raises(TraceFormatError) as info:
+    load_trace(path)
+  assert str(info.value).startswith(f"{path}: not valid gzip data"), info.value
 
 
 def test_binary_content_is_refused_with_the_path(tmp_path, rng):

@@ -62,6 +62,20 @@ def fabricated_token(rid: int, pos: int) -> int:
   return (rid * 7919 + pos) % NUM_FABRICATED_VOCAB + 1
 
 
+def no_output_message(trace: Trace, source: str) -> str | None:
+  """Why ``trace`` (read from ``source``) cannot be served, or None: a
+  request with no output token (vLLM's ``max_tokens`` must be >= 1; a
+  replay of the same trace is fine, it reads prompts only)."""
+  empty = np.flatnonzero(np.asarray(trace.output_lengths) < 1)
+  if not empty.size:
+    return None
+  return (
+    f"{source}: request {int(empty[0])} (0-based; {empty.size} in all) has "
+    "output_length 0: serving needs at least one output token per request "
+    "(vLLM's max_tokens >= 1)"
+  )
+
+
 def records_from_trace(trace: Trace) -> list[dict[str, Any]]:
   """A :class:`prefixjax.workloads.Trace` as the harness's trace records.
 

@@ -89,6 +89,14 @@ def _distributed(args) -> tuple[int, int]:
           raise ValueError(
             f"${env}={os.environ[env]!r}: not an integer"
           ) from None
+  address = given["coordinator_address"]
+  if address is not None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+      raise ValueError(
+        f"--coordinator-address {address!r}: must be HOST:PORT (e.g. "
+        "10.0.0.1:1234), the port a number in 1..65535"
+      )
   n, i = given["num_processes"], given["process_id"]
   if n is not None and n < 1:
     raise ValueError(f"--num-processes {n}: must be >= 1")

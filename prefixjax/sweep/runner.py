@@ -356,10 +356,19 @@ def _check_out(
 
 
 def _check_on_trace(spec: SweepSpec, p: Point, trace) -> None:
-  """The replay rules that need the workload read, checked for every point
-  before any runs (a spec cannot know them): a hash-id trace (Mooncake)
-  replays at its hash block size only, and the vllm and sglang engines
-  need room for the largest request."""
+  """The rules that need the workload read, checked for every point before
+  any runs (a spec cannot know them): a simulated trace has an output
+  token per request, a hash-id trace (Mooncake) replays at its hash block
+  size only, and the vllm and sglang replay engines need room for the
+  largest request."""
+  if p.mode == "simulate" and p.workload.trace is not None:
+    from prefixjax.serving.simulate import no_output_message
+
+    if why := no_output_message(trace, p.workload.trace):
+      raise SweepError(
+        f"{spec.path or '<spec>'}: simulate point {p.index} (workload "
+        f"{p.workload.name}): {why}"
+      )
   if p.mode != "replay":
     return
   where = (

@@ -97,6 +97,7 @@ import itertools
 import json
 import math
 import pathlib
+import re
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -573,6 +574,12 @@ def parse_spec(
   for key, v in (("name", name), ("description", description)):
     if not isinstance(v, str):
       raise SpecError(f"{label}: sweep.{key}: must be a string, got {v!r}")
+  # The name is the default results folder, results/<name>: a plain name.
+  if "name" in sweep and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+    raise SpecError(
+      f"{label}: sweep.name: {name!r} must be a plain name (letters, "
+      "digits, '_', '.', '-'; it names the folder results/<name>)"
+    )
   vectorize = sweep.get("vectorize", "auto")
   if vectorize not in (True, False, "auto"):
     raise SpecError(

@@ -35,6 +35,7 @@ import math
 import os
 import re
 import sys
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -127,6 +128,14 @@ def _progress(path: Path, description: str) -> Iterator[Any]:
     yield update
 
 
+def _too_long(name: str, value: int) -> str:
+  """A token count past int32: the device counts tokens in int32."""
+  return (
+    f"{name} = {value:_} does not fit in int32 (at most {_INT32_MAX:_} "
+    "tokens: the cache and the simulator count tokens in int32)"
+  )
+
+
 def _describe(value: Any) -> str:
   text = json.dumps(value) if not isinstance(value, str) else repr(value)
   if len(text) > 40:
@@ -196,8 +205,8 @@ class _Records:
         )
       if value < 0:
         raise self.error(line_no, f"{name} = {value} is negative")
-      if value > _INT64_MAX:
-        raise self.error(line_no, f"{name} = {value} does not fit in int64")
+      if value > _INT32_MAX:
+        raise self.error(line_no, _too_long(name, value))
     elif kind == "number":
       if type(value) not in (int, float):
         raise self.error(
@@ -562,6 +571,8 @@ def load_csv_trace(path: PathLike, *, limit: int | None = None) -> Trace:
             f"{column} {text!r} {problem}"
             + (" a nonnegative integer" if problem == "is not" else ""),
           )
+        if int(text) > _INT32_MAX:
+          raise error(line_no, _too_long(column, int(text)))
         lengths.append(int(text))
       whole_seconds.append(parsed[0])
       fractions.append(parsed[1])
@@ -684,6 +695,16 @@ def load_trace(
 
 
 def _parse(path: Path, format: str, block_size, limit) -> Trace:
+  try:
+    return _parse_format(path, format, block_size, limit)
+  except (gzip.BadGzipFile, EOFError, zlib.error) as err:
+    raise TraceFormatError(
+      f"{path}: not valid gzip data ({err or type(err).__name__}): a "
+      "compressed trace must be whole gzip"
+    ) from None
+
+
+def _parse_format(path: Path, format: str, block_size, limit) -> Trace:
   if format == "auto":
     format = _detect_format(path)
   if format == "mooncake":
