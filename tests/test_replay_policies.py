@@ -355,6 +355,9 @@ def test_policy_argument_rules():
     vllm(policy_params={"decay": 0.5})
   with pytest.raises(ValueError, match=r"decay=1.5 must be in \(0, 1\]"):
     vllm(policy="lfu", policy_params={"decay": 1.5})
+  for value in ("0.5", True):  # not "does not take them": it does
+    with pytest.raises(ValueError, match=r"must be a number in \(0, 1\]"):
+      vllm(policy="lfu", policy_params={"decay": value})
   with pytest.raises(TypeError, match="is an EvictionPolicy already"):
     vllm(policy=policies.lfu(), policy_params={"decay": 0.5})
   with pytest.raises(TypeError, match="must be a mapping"):

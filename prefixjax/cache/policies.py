@@ -218,6 +218,8 @@ def lfu(*, decay: float | None = None) -> EvictionPolicy:
   Raises:
     ValueError: ``decay`` outside ``(0, 1]``.
   """
+  if isinstance(decay, bool | str | bytes):  # float() would take "0.5"
+    raise ValueError(f"{decay=} must be a number in (0, 1]")
   if decay is not None and not 0.0 < decay <= 1.0:
     raise ValueError(f"{decay=} must be in (0, 1]")
   return _lfu(1.0 if decay is None else float(decay))
