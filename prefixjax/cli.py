@@ -877,7 +877,7 @@ def _add_simulate(subparsers) -> None:
   p.add_argument("--block-size", type=int, default=16, metavar="K")
   p.add_argument(
     "--num-blocks",
-    type=int,
+    type=_positive_int,
     default=2048,
     metavar="N",
     help="usable KV blocks (vLLM's null block is extra)",
