@@ -1183,12 +1183,17 @@ def _cmd_simulate(args) -> int:
       for rec in result.requests():
         line = dict(
           id=rec["rid"],
+          status=rec["status"],  # finished, rejected, or waiting at the end
           prompt_tokens=rec["prompt_len"],
+          max_output_tokens=rec["max_tokens"],
+          output_tokens=rec.get("num_output_tokens", 0),
           hit_tokens=rec.get("hit_first_sched"),
           first_token_step=rec.get("first_token_step"),
           finish_step=rec.get("finish_step"),
           preemptions=rec.get("num_preemptions", 0),
         )
+        if "parent" in rec:  # parallel sampling: the prompt's request
+          line.update(parent=rec["parent"], sample=rec["sample"])
         for key in (
           "arrival_s",
           "first_token_s",

@@ -45,7 +45,10 @@ def test_json_and_jsonl_match_simulate_and_model(tmp_path, capsys):
   assert lines == [
     dict(
       id=r["rid"],
+      status=r["status"],
       prompt_tokens=r["prompt_len"],
+      max_output_tokens=r["max_tokens"],
+      output_tokens=r.get("num_output_tokens", 0),
       hit_tokens=r.get("hit_first_sched"),  # rejected: no such keys
       first_token_step=r.get("first_token_step"),
       finish_step=r.get("finish_step"),
