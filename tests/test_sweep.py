@@ -1017,6 +1017,23 @@ def test_cli_prints_the_table_and_where_the_files_are(tmp_path, capsys):
   assert listing.count("[") >= 6 and "group of 3" in listing
 
 
+def test_the_table_marks_underfilled_points(tmp_path):
+  """kvcache-sim reports an underfilled capacity's hits as 0; the table
+  says which rows those are (the CSV's ``underfilled``)."""
+  path = _write(
+    tmp_path,
+    "[workloads.w]\ngenerator = 'system_prompt'\nrequests = 30\n"
+    "[replay]\npolicy = 'fifo'\ncapacity = [8, 100000]\n",
+  )
+  result = run_sweep(path, None, plots=False)
+  assert [r["underfilled"] for r in result.rows] == [False, True]
+  lines = result.table().splitlines()
+  dashes = next(i for i, x in enumerate(lines) if set(x) <= {"-", " "})
+  body = lines[dashes + 1 : dashes + 3]
+  assert ["% u" in x for x in body] == [False, True]
+  assert lines[-1].startswith("u: underfilled")
+
+
 def test_cli_refuses_a_bad_spec_before_any_work(tmp_path, capsys):
   path = _write(tmp_path, "[replay]\ncapacity = -1\n")
   out = tmp_path / "out"

@@ -717,14 +717,21 @@ def results_table(rows: Sequence[dict[str, Any]]) -> str:
     keep = [c for c in keep if any(r.get(c[0]) is not None for r in mine)]
     cells = [[h for _, h, _ in keep]]
     for r in mine:
-      cells.append(
-        ["-" if r.get(k) is None else f.format(r[k]) for k, _, f in keep]
-      )
+      row = ["-" if r.get(k) is None else f.format(r[k]) for k, _, f in keep]
+      if r.get("underfilled"):
+        at = [k for k, _, _ in keep].index("hit_rate")
+        row[at] += " u"
+      cells.append(row)
     widths = [max(len(row[i]) for row in cells) for i in range(len(keep))]
     lines = [
       "  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True))
       for row in cells
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    if any(r.get("underfilled") for r in mine):
+      lines.append(
+        "u: underfilled, the cache never filled during warm-up, so (as in "
+        "kvcache-simulator) its hit tokens are reported as 0"
+      )
     parts.append(f"{mode} ({len(mine)} points)\n" + "\n".join(lines))
   return "\n\n".join(parts)
