@@ -1089,6 +1089,8 @@ def _cmd_simulate(args) -> int:
 
   import time
 
+  import numpy as np
+
   from prefixjax import serving
   from prefixjax.workloads import (
     default_workload,
@@ -1120,6 +1122,18 @@ def _cmd_simulate(args) -> int:
   else:
     trace = default_workload(num_requests=n, seed=args.seed)
   load_s = time.perf_counter() - start
+  prompts = np.asarray(trace.input_lengths)
+  if (
+    len(prompts)
+    and not ((prompts > 0) & (prompts < config.max_model_len)).any()
+  ):
+    # Every request would be rejected (serving.simulate's input rule, as
+    # vLLM's InputProcessor): say so before compiling anything.
+    raise CliError(
+      f"all {len(prompts):,} requests would be rejected: prompts of "
+      f"{int(prompts.min()):,}-{int(prompts.max()):,} tokens, none both "
+      f"non-empty and shorter than --max-model-len {config.max_model_len:,}"
+    )
   print(_simulate_header(args, trace, config), flush=True)
   start = time.perf_counter()
   result = serving.simulate(
@@ -1154,10 +1168,9 @@ def _cmd_simulate(args) -> int:
       )
     if len(long) < len(lens):
       why.append(f"{len(lens) - len(long)} with empty prompts")
-    none = metrics["rejected"] == metrics["requests"]
     _warn(
       f"{metrics['rejected']} of {metrics['requests']} requests rejected "
-      f"({'; '.join(why)})" + ("; nothing was simulated" if none else ""),
+      f"({'; '.join(why)})",
       "simulate",
     )
   shown = {k: v for k, v in metrics.items() if v is not None}

@@ -187,9 +187,10 @@ def test_a_trace_is_served_whole_unless_requests_says(tmp_path, capsys, rng):
   assert json.loads(out.read_text())["requests"] == n
 
 
-def test_rejected_requests_are_reported(rng, capsys):
+def test_rejected_requests_are_reported(rng, capsys, monkeypatch):
   """Prompts of ``max_model_len`` tokens or more are rejected (vLLM's input
-  check); the CLI says how many, and when none is left to simulate."""
+  check); the CLI says how many, and refuses before any work a run where
+  every request would be."""
   trace = pj.generate_workload("multi_turn", num_requests=8, seed=3)
   lens = sorted(int(x) for x in trace.input_lengths)
   # A limit between two prompt lengths: some requests are rejected.
@@ -200,12 +201,19 @@ def test_rejected_requests_are_reported(rng, capsys):
   err = capsys.readouterr().err
   n = sum(x >= mml for x in lens)
   assert f"{n} of 8 requests rejected ({n} with prompts of" in err
-  assert "nothing was simulated" not in err
+
+  def boom(*a, **k):
+    raise AssertionError("simulate ran")
+
+  monkeypatch.setattr(serving, "simulate", boom)
   argv = [*FLAGS[:-3], "--max-model-len", "16", "--no-compile-cache"]
   argv[argv.index("--max-num-batched-tokens") + 1] = "16"
-  assert main(["simulate", *argv]) == 0
+  assert main(["simulate", *argv]) == 2
   err = capsys.readouterr().err
-  assert "8 of 8 requests rejected" in err and "nothing was simulated" in err
+  assert (
+    f"all 8 requests would be rejected: prompts of {lens[0]:,}-{lens[-1]:,} "
+    "tokens, none both non-empty and shorter than --max-model-len 16"
+  ) in err, err
 
 
 def _mooncake_rows(rng, n):
