@@ -194,6 +194,7 @@ def test_empty_files_are_refused(tmp_path):
   _raises_at(empty, 1, "empty trace", load_trace)
   blank = _write(tmp_path, "blank.jsonl", ["", "  "])
   _raises_at(blank, 2, r"empty trace: no records \(only blank", load_mooncake)
+  _raises_at(blank, 2, r"empty trace: no records \(only blank", load_trace)
   _raises_at(blank, 2, "empty trace", load_token_trace)
   csv_empty = _write(tmp_path, "empty.csv", [])
   _raises_at(csv_empty, 1, "empty trace: no header row", load_csv_trace)

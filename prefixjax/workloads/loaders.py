@@ -600,6 +600,7 @@ def _detect_format(path: Path) -> str:
     suffixes = suffixes[:-1]
   if suffixes and suffixes[-1] in (".csv", ".tsv"):
     return "csv"
+  line_no = 0
   with _open_text(path) as handle:
     for line_no, line in enumerate(handle, start=1):
       if not line.strip():
@@ -610,7 +611,8 @@ def _detect_format(path: Path) -> str:
         raise TraceFormatError(
           f"{path}:{line_no}: cannot detect the trace format: expected a "
           "JSON object (Mooncake or token-id JSONL) or a CSV header with "
-          f"{', '.join(_CSV_COLUMNS)}; pass format= explicitly"
+          f"{', '.join(_CSV_COLUMNS)}; name the format (--format, or "
+          "format= in Python)"
         )
       try:
         record = json.loads(line)
@@ -628,7 +630,10 @@ def _detect_format(path: Path) -> str:
         f"record has fields {fields}; expected 'hash_ids' (mooncake) or "
         "'input_tok_ids' (tokens)"
       )
-  raise TraceFormatError(f"{path}:1: empty trace: no records")
+  raise TraceFormatError(
+    f"{path}:{max(line_no, 1)}: empty trace: no records"
+    + (" (only blank lines)" if line_no else "")
+  )
 
 
 def load_trace(
