@@ -486,10 +486,11 @@ def _check_replay_policy(args) -> None:
     )
   if args.semantics == "kvcache-sim":
     for policy in args.policy or ():
-      if policy not in rp.REPLAY_POLICIES and policy != "lru":
+      if policy not in rp.REPLAY_POLICIES:
+        what = " (vLLM's free-queue order)" if policy == "lru" else ""
         raise CliError(
-          f"policy {policy} needs --semantics vllm; kvcache-sim policies "
-          f"are {', '.join(rp.REPLAY_POLICIES)}"
+          f"policy {policy}{what} needs --semantics vllm; kvcache-sim "
+          f"policies are {', '.join(rp.REPLAY_POLICIES)}"
         )
   if args.semantics != "vllm":
     return
@@ -565,11 +566,6 @@ def _cmd_replay(args) -> int:
     flush=True,
   )
   policies = args.policy or list(rp.REPLAY_POLICIES)
-  if "lru" in policies:
-    raise CliError(
-      "policy lru (vLLM's free-queue order) needs --semantics vllm; "
-      f"kvcache-sim policies are {', '.join(rp.REPLAY_POLICIES)}"
-    )
   timing = rp.Timing()
   points = []
   bar = _progress(policies, "policies", "policy")

@@ -333,6 +333,7 @@ def test_plot_hit_rates_writes_png(tmp_path):
     (["--plot", "hits.xyz"], "unknown figure format 'xyz'"),
     (["--publish", "late"], "--publish late is a vllm-semantics rule"),
     (["--warmup-fraction", "1"], "leaves no request in the measured window"),
+    (["--policy", "lru"], "policy lru (vLLM's free-queue order) needs --sem"),
   ],
 )
 def test_cli_replay_flags_are_checked_before_the_trace_is_read(
