@@ -746,6 +746,8 @@ def _report(args, trace, points, ceiling, load_s, run_timing) -> int:
     }
     if ceiling is not None:
       payload["ceiling"] = extra[0]
+    if args.model is not None:  # the model behind capacity_gib
+      payload["model"] = args.model
     with open(args.json, "w") as f:
       json.dump(payload, f, indent=2)
     print(f"wrote {args.json}")

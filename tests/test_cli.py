@@ -586,6 +586,7 @@ def test_cli_replay_model_puts_capacities_in_gib(tmp_path, capsys, rng):
   assert cli.main(argv) == 0
   assert "GiB" in capsys.readouterr().out
   payload = json.loads(out.read_text())
+  assert payload["model"] == "llama3_8b"
   for row in [*payload["points"], payload["ceiling"]]:
     tokens = row["capacity_blocks"] * row["block_size"]
     want = tokens * 2 * 32 * 8 * 128 * 2 / 2**30
