@@ -1176,9 +1176,14 @@ def _cmd_simulate(args) -> int:
   for key, value in shown.items():
     text = f"{value:,.4f}" if isinstance(value, float) else f"{value:,}"
     print(f"{key:<{width}}  {text:>14}")
-  if len(shown) < len(metrics):
+  untimed = [
+    k
+    for k, v in metrics.items()
+    if v is None and (k.endswith(("_s", "_per_s")) or "_s_p" in k)
+  ]
+  if untimed:
     print(
-      f"({len(metrics) - len(shown)} metrics in seconds need times: pass "
+      f"({len(untimed)} metrics in seconds need times: pass "
       "--step-time-ms MS or --clock roofline; --json writes them as null)"
     )
   print(
