@@ -83,6 +83,15 @@ def test_verbs_reject_bad_arguments_at_the_boundary():
     checked.release({"block_tables": 0}, 0)
   with pytest.raises(ValueError, match="positions must be 1-D"):
     checked.slot_mapping(state, jnp.zeros(2, jnp.int32), jnp.zeros((2, 1)))
+  # Concrete arrays are range-checked before the int32 cast (no wrap).
+  with pytest.raises(ValueError, match="seq_id=8589934600 does not fit"):
+    checked.allocate(state, np.array(2**33 + 8), 1)
+  with pytest.raises(ValueError, match="seq_id=4294967295 does not fit"):
+    checked.allocate(state, np.uint32(2**32 - 1), 1)
+  with pytest.raises(ValueError, match=r"child_id=\d+ is outside \[0, "):
+    checked.fork(state, 0, state.max_seqs)
+  with pytest.raises(TypeError, match="num_tokens=None must be an integer"):
+    checked.allocate(state, 0, None)
 
 
 def test_traced_bad_values_become_status_and_state_is_unchanged():
@@ -96,10 +105,29 @@ def test_traced_bad_values_become_status_and_state_is_unchanged():
     (5, 3, paging.Status.BAD_SEQUENCE),
     (0, -4, paging.Status.BAD_COUNT),
     (0, 13, paging.Status.TABLE_OVERFLOW),
+    # Counts near int32's limit: ceil(n / K) and tokens + n must not wrap.
+    (0, 2**31 - 1, paging.Status.TABLE_OVERFLOW),
+    (1, 2**31 - 2, paging.Status.TABLE_OVERFLOW),
   ]:
     new, result = go(state, jnp.int32(seq), jnp.int32(n))
     assert int(result.status) == want
     chex.assert_trees_all_equal(new, state)
+  held, result = go(state, jnp.int32(0), jnp.int32(3))
+  assert int(result.status) == paging.Status.OK
+  for n in (2**31 - 1, 2**31 - 3, 2**31 - 4):
+    new, result = jax.jit(paging.append)(held, jnp.int32(0), jnp.int32(n))
+    assert int(result.status) == paging.Status.TABLE_OVERFLOW, n
+    chex.assert_trees_all_equal(new, held)
+
+
+def test_blocks_for_is_the_ceiling_without_overflow(rng):
+  n = np.concatenate(
+    [rng.integers(-(2**31), 2**31, 200), [2**31 - 1, -(2**31), 0, 1, -1]]
+  ).astype(np.int32)
+  for k in (1, 3, 16, int(rng.integers(2, 1000))):
+    want = -(-n.astype(np.int64) // k)  # exact, in int64
+    got = np.asarray(paging.blocks_for(jnp.asarray(n), k))
+    np.testing.assert_array_equal(got, want)
 
 
 def test_out_of_blocks_leaves_state_unchanged():

@@ -140,6 +140,15 @@ def test_bad_arguments_are_reported():
     rp.prepare_replay([[1], [2]], [4], block_size=4)
   with pytest.raises(ValueError, match="warmup_fraction=1.5"):
     rp.prepare_replay([[1]], [4], block_size=4, warmup_fraction=1.5)
+  with pytest.raises(
+    ValueError, match=r"warmup_fraction=1.0 must be in \[0, 1\)"
+  ):
+    rp.prepare_replay([[1]], [4], block_size=4, warmup_fraction=1.0)
+  with pytest.raises(TypeError, match="warmup_fraction='0.5' must be a number"):
+    rp.prepare_replay([[1]], [4], block_size=4, warmup_fraction="0.5")
+  tokens = generate_workload("system_prompt", num_requests=4, seed=0)
+  with pytest.raises(ValueError, match="block_size=0 must be >= 1"):
+    rp.replay(tokens, policy="fifo", capacities=[8], block_size=0)
   with pytest.raises(ValueError, match="input_length=0"):
     rp.prepare_replay([[1]], [0], block_size=4)
   plan = rp.prepare_replay([[1]], [4], block_size=4)

@@ -450,6 +450,13 @@ def test_bad_arguments_are_refused(rng):
   with pytest.raises(ValueError, match="fan_out"):
     fork = ServingConfig(**{**CONFIG.__dict__, "parallel_sampling": "fork"})
     simulate_cluster(trace, fork, replicas=2)
+  with pytest.raises(ValueError, match="vLLM semantics only"):
+    sglang = ServingConfig(**{**CONFIG.__dict__, "semantics": "sglang"})
+    simulate_cluster(trace, sglang, replicas=2)
+  with pytest.raises(ValueError, match="max_steps=-1"):
+    simulate_cluster(trace, CONFIG, replicas=2, max_steps=-1)
+  with pytest.raises(TypeError, match="seed=1.5 must be an int"):
+    simulate_cluster(trace, CONFIG, replicas=2, seed=1.5)
   with pytest.raises(ValueError, match="router 'e2'"):
     get_router("e2", bogus=1)
   assert "cache_aware" in router_names()

@@ -344,6 +344,11 @@ def test_poisson_arrivals_are_seeded_trace_arrivals(rng):
     (dict(arrivals="poisson", step_time_ms=1.0), "rate"),
     (dict(arrivals="poisson", step_time_ms=1.0, rate=-1.0), "rate"),
     (dict(step_time_ms=0.0), "step_time_ms"),
+    (dict(step_time_ms=float("inf")), "step_time_ms=inf must be a finite"),
+    (dict(arrivals="poisson", step_time_ms=1.0, rate=float("nan")), "rate"),
+    (dict(seed=-1), "seed=-1 must be >= 0"),
+    (dict(max_steps=0), r"max_steps=0 must be in \[1, 2\*\*31\)"),
+    (dict(max_steps=-1), "max_steps=-1"),
   ],
 )
 def test_bad_arrivals_are_refused(kw, match):
@@ -568,6 +573,35 @@ def test_fcfs_reports_priorities_and_ignores_them(rng):
   records = _priority_pressure(rng, 2.0)
   _, reqs = _compare(records, config, step_time_ms=2.0)
   assert any(r["priority"] for r in reqs)
+
+
+@pytest.mark.parametrize(
+  "kw, match",
+  [
+    (dict(step_time_ms="10"), "step_time_ms='10' must be a number"),
+    (dict(seed=1.5), "seed=1.5 must be an int"),
+    (dict(seed=None), "seed=None must be an int"),
+    (dict(max_steps=1.5), "max_steps=1.5 must be an int"),
+    (dict(progress="yes"), "progress='yes' must be True or False"),
+  ],
+)
+def test_bad_argument_types_are_refused(kw, match):
+  records = [dict(input_tok_ids=[1, 2, 3], output_toks=2)]
+  with pytest.raises(TypeError, match=match):
+    serving.simulate(records, _config(), **kw)
+  if "progress" not in kw:
+    with pytest.raises(TypeError, match=match):
+      serving.simulate_batch(records, [_config()], **kw)
+
+
+@pytest.mark.parametrize("token", [2**31, 2**32 + 1, -1])
+def test_token_ids_outside_int32_are_refused(token):
+  """The device hashes token ids as int32 words: 2**32 + 1 would alias 1."""
+  records = [dict(input_tok_ids=[1, 2, token, 4], output_toks=2)]
+  with pytest.raises(
+    ValueError, match=rf"record 0: input_tok_ids\[2\]={token}"
+  ):
+    serving.simulate(records, _config())
 
 
 def test_bad_policy_is_refused():

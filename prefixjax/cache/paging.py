@@ -111,7 +111,14 @@ def settle(state: PagingState, *values):
 
 
 def blocks_for(num_tokens: jax.Array, block_size: int) -> jax.Array:
-  return (num_tokens + block_size - 1) // block_size
+  """``ceil(num_tokens / block_size)``, without the int32 overflow of
+  ``(n + K - 1) // K`` for ``n`` near ``2**31``."""
+  return num_tokens // block_size + jnp.where(num_tokens % block_size, 1, 0)
+
+
+def exceeds_int32(tokens: jax.Array, num_new_tokens: jax.Array) -> jax.Array:
+  """Whether ``tokens + num_new_tokens`` (``tokens >= 0``) passes int32."""
+  return num_new_tokens > jnp.iinfo(jnp.int32).max - tokens
 
 
 def first_error(*pairs) -> jax.Array:
@@ -461,6 +468,8 @@ def append(state: PagingState, seq_id, num_new_tokens):
   status = first_error(
     *seq_status(state, seq_id, want_active=True),
     (num_new_tokens < 0, Status.BAD_COUNT),
+    # A total past int32 would wrap negative and pass the next check.
+    (exceeds_int32(tokens, num_new_tokens), Status.TABLE_OVERFLOW),
     (blocks_for(total, k) > m, Status.TABLE_OVERFLOW),
     (
       count + copy_needed.astype(jnp.int32) > state.num_free,

@@ -399,6 +399,7 @@ def _append_need(state: PrefixCacheState, seq_id, num_new_tokens):
   status = paging.first_error(
     *_seq_checks(state, seq_id, want_active=True),
     (num_new_tokens < 0, Status.BAD_COUNT),
+    (paging.exceeds_int32(tokens, num_new_tokens), Status.TABLE_OVERFLOW),
     (
       paging.blocks_for(total, k) > state.max_blocks_per_seq,
       Status.TABLE_OVERFLOW,

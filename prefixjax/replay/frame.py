@@ -601,8 +601,17 @@ def resolve_policy(
 
 
 def check_warmup_fraction(warmup_fraction) -> float:
-  if not 0.0 <= warmup_fraction <= 1.0:
-    raise ValueError(f"warmup_fraction={warmup_fraction} must be in [0, 1]")
+  """A share of requests in ``[0, 1)``: 1 would leave no request to
+  measure (every hit rate 0 / 0)."""
+  if isinstance(warmup_fraction, bool) or not isinstance(
+    warmup_fraction, (int, float, np.number)
+  ):
+    raise TypeError(f"warmup_fraction={warmup_fraction!r} must be a number")
+  if not 0.0 <= warmup_fraction < 1.0:
+    raise ValueError(
+      f"warmup_fraction={warmup_fraction} must be in [0, 1) (1 leaves no "
+      "request in the measured window)"
+    )
   return float(warmup_fraction)
 
 

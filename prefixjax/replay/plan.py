@@ -260,7 +260,7 @@ def plan_trace(
       )
     block_size = trace.hash_block_size
   else:
-    block_size = block_size or 16
+    block_size = 16 if block_size is None else block_size
   _check_arguments(block_size, warmup_fraction)
 
   def events():

@@ -49,7 +49,11 @@ from prefixjax.routing import routers as rt
 from prefixjax.serving import vllm_v1
 from prefixjax.serving.config import ServingConfig
 from prefixjax.serving.fork import enqueue
-from prefixjax.serving.simulate import build_inputs, prepare_records
+from prefixjax.serving.simulate import (
+  build_inputs,
+  check_run_arguments,
+  prepare_records,
+)
 
 __all__ = ["MODES", "ClusterResult", "ClusterState", "simulate_cluster"]
 
@@ -559,6 +563,14 @@ def simulate_cluster(
   """
   if not isinstance(config, ServingConfig):
     raise TypeError(f"config must be a ServingConfig, got {type(config)}")
+  if config.semantics != "vllm":
+    raise ValueError(
+      f"simulate_cluster runs vLLM semantics only (its replicas are "
+      f"vllm_v1 engines), got config.semantics={config.semantics!r}"
+    )
+  check_run_arguments(
+    step_time_ms=step_time_ms, rate=rate, seed=seed, max_steps=max_steps
+  )
   if config.parallel_sampling != "fan_out":
     raise ValueError(
       "simulate_cluster runs parallel_sampling='fan_out' only, got "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -123,7 +124,15 @@ def _token_array(rid: int, name: str, value) -> np.ndarray:
   a = np.asarray(value)
   if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
     raise ValueError(f"record {rid}: {name} must be a list of token ids")
-  return a.astype(np.int64, copy=False)
+  a = a.astype(np.int64, copy=False)
+  bad = (a < 0) | (a >= 2**31)
+  if bad.any():  # the device hashes token ids as int32 words
+    j = int(np.argmax(bad))
+    raise ValueError(
+      f"record {rid}: {name}[{j}]={int(a[j])} is outside [0, 2**31): token "
+      "ids are int32 on the device (larger ones would alias)"
+    )
+  return a
 
 
 def _parse(
@@ -527,6 +536,13 @@ def simulate(
     ValueError: a record without outputs or with ``max_tokens < 1``; bad
       ``arrivals``, ``step_time_ms`` or ``rate`` (see :func:`arrival_steps`).
   """
+  check_run_arguments(
+    step_time_ms=step_time_ms,
+    rate=rate,
+    seed=seed,
+    max_steps=max_steps,
+    progress=progress,
+  )
   records = _check_records(trace)
   if isinstance(config, ServingConfig) and config.semantics == "sglang":
     return _simulate_sglang(
@@ -980,6 +996,41 @@ _STATIC = (
 )
 
 
+def check_run_arguments(
+  *, step_time_ms=None, rate=None, seed=0, max_steps=None, progress=False
+) -> None:
+  """The run arguments :func:`simulate`, :func:`simulate_batch` and
+  :func:`prefixjax.routing.simulate_cluster` share, checked before any
+  work (``step_time_ms``, ``rate``, ``seed``: a value or a sequence of
+  them)."""
+
+  def each(value):
+    return value if isinstance(value, (list, tuple, np.ndarray)) else [value]
+
+  for name, values in (("step_time_ms", step_time_ms), ("rate", rate)):
+    for v in each(values):
+      if v is None:
+        continue
+      if isinstance(v, bool) or not isinstance(v, (int, float, np.number)):
+        raise TypeError(f"{name}={v!r} must be a number")
+      if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"{name}={v!r} must be a finite number > 0")
+  for v in each(seed):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+      raise TypeError(f"seed={v!r} must be an int")
+    if v < 0:
+      raise ValueError(f"seed={v} must be >= 0")
+  if max_steps is not None:
+    if isinstance(max_steps, bool) or not isinstance(
+      max_steps, (int, np.integer)
+    ):
+      raise TypeError(f"max_steps={max_steps!r} must be an int or None")
+    if not 1 <= max_steps < 2**31:
+      raise ValueError(f"max_steps={max_steps} must be in [1, 2**31)")
+  if not isinstance(progress, bool):
+    raise TypeError(f"progress={progress!r} must be True or False")
+
+
 def _per_config(name: str, value, n: int) -> list:
   """``value`` for each of ``n`` configurations (a scalar or a sequence)."""
   if isinstance(value, (list, tuple, np.ndarray)):
@@ -1068,6 +1119,9 @@ def simulate_batch(
         "its scheduler"
       )
   n = len(configs)
+  check_run_arguments(
+    step_time_ms=step_time_ms, rate=rate, seed=seed, max_steps=max_steps
+  )
   records = _check_records(trace)
   points = list(
     zip(

@@ -36,6 +36,7 @@ __all__ = [
   "allocate",
   "append",
   "as_index",
+  "as_sequence",
   "batch_view",
   "check_state",
   "copy_on_write",
@@ -54,31 +55,66 @@ def as_index(name: str, value) -> jax.Array:
   if isinstance(value, bool):
     raise TypeError(f"{name}={value!r} must be an integer, not a bool")
   if isinstance(value, (int, np.integer)):
-    if value < 0:
-      raise ValueError(f"{name}={value} must be >= 0")
-    if value >= 2**31:
-      raise ValueError(f"{name}={value} does not fit in int32")
-    return jnp.asarray(value, jnp.int32)
-  arr = jnp.asarray(value)
+    return _in_int32(name, int(value))
+  if value is None or isinstance(value, (str, bytes, float)):
+    raise TypeError(f"{name}={value!r} must be an integer scalar")
+  host = _concrete(value)
+  arr = jnp.asarray(value) if host is None else host
   if arr.shape != ():
     raise ValueError(f"{name} must be a scalar, got shape {arr.shape}")
-  if not jnp.issubdtype(arr.dtype, jnp.integer):
+  if arr.dtype == bool or not jnp.issubdtype(arr.dtype, jnp.integer):
     raise TypeError(f"{name} must have an integer dtype, got {arr.dtype}")
+  if host is not None:  # concrete: its value checked before the cast
+    return _in_int32(name, int(host))
   return arr.astype(jnp.int32)
+
+
+def _concrete(value) -> np.ndarray | None:
+  """``value`` on the host, or None when it is traced."""
+  try:
+    return np.asarray(value)
+  except (
+    jax.errors.TracerArrayConversionError,
+    jax.errors.ConcretizationTypeError,
+  ):
+    return None
+
+
+def _in_int32(name: str, value: int) -> jax.Array:
+  if value < 0:
+    raise ValueError(f"{name}={value} must be >= 0")
+  if value >= 2**31:
+    raise ValueError(f"{name}={value} does not fit in int32")
+  return jnp.asarray(value, jnp.int32)
+
+
+def as_sequence(state, name: str, value) -> jax.Array:
+  """:func:`as_index` for a sequence id, also checked against the state's
+  ``max_seqs`` when concrete."""
+  index = as_index(name, value)
+  host = _concrete(index)
+  if host is not None and int(host) >= state.max_seqs:
+    raise ValueError(
+      f"{name}={int(host)} is outside [0, {state.max_seqs}) "
+      f"(max_seqs={state.max_seqs})"
+    )
+  return index
 
 
 def allocate(state: PagingState, seq_id, num_tokens):
   """Checked :func:`prefixjax.cache.paging.allocate`."""
   check_state(state)
   return paging.allocate(
-    state, as_index("seq_id", seq_id), as_index("num_tokens", num_tokens)
+    state,
+    as_sequence(state, "seq_id", seq_id),
+    as_index("num_tokens", num_tokens),
   )
 
 
 def copy_on_write(state: PagingState, seq_id):
   """Checked :func:`prefixjax.cache.paging.copy_on_write`."""
   check_state(state)
-  return paging.copy_on_write(state, as_index("seq_id", seq_id))
+  return paging.copy_on_write(state, as_sequence(state, "seq_id", seq_id))
 
 
 def append(state: PagingState, seq_id, num_new_tokens):
@@ -86,7 +122,7 @@ def append(state: PagingState, seq_id, num_new_tokens):
   check_state(state)
   return paging.append(
     state,
-    as_index("seq_id", seq_id),
+    as_sequence(state, "seq_id", seq_id),
     as_index("num_new_tokens", num_new_tokens),
   )
 
@@ -95,7 +131,9 @@ def fork(state: PagingState, parent_id, child_id):
   """Checked :func:`prefixjax.cache.paging.fork`."""
   check_state(state)
   return paging.fork(
-    state, as_index("parent_id", parent_id), as_index("child_id", child_id)
+    state,
+    as_sequence(state, "parent_id", parent_id),
+    as_sequence(state, "child_id", child_id),
   )
 
 
@@ -107,7 +145,7 @@ def release(
   check_state(state)
   paging.vllm_free_order(vllm_version)  # raises naming the accepted ones
   return paging.release(
-    state, as_index("seq_id", seq_id), vllm_version=vllm_version
+    state, as_sequence(state, "seq_id", seq_id), vllm_version=vllm_version
   )
 
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from prefixjax.cache import policies as policies_lib
 from prefixjax.cache import prefix_cache
-from prefixjax.cache.checked.paging import as_index
+from prefixjax.cache.checked.paging import as_index, as_sequence
 from prefixjax.cache.prefix_cache import PrefixCacheState, check_state
 
 __all__ = [
@@ -92,7 +92,7 @@ def allocate_with_prefix(
   check_state(state)
   return prefix_cache.allocate_with_prefix(
     state,
-    as_index("seq_id", seq_id),
+    as_sequence(state, "seq_id", seq_id),
     keys_arg(state, block_keys, num_prompt_tokens, "num_prompt_tokens"),
     as_index("num_prompt_tokens", num_prompt_tokens),
     next_use_arg(state, next_use),
@@ -104,7 +104,7 @@ def append(state: PrefixCacheState, seq_id, num_new_tokens):
   check_state(state)
   return prefix_cache.append(
     state,
-    as_index("seq_id", seq_id),
+    as_sequence(state, "seq_id", seq_id),
     as_index("num_new_tokens", num_new_tokens),
   )
 
@@ -112,7 +112,7 @@ def append(state: PrefixCacheState, seq_id, num_new_tokens):
 def copy_on_write(state: PrefixCacheState, seq_id):
   """Checked :func:`prefixjax.cache.prefix_cache.copy_on_write`."""
   check_state(state)
-  return prefix_cache.copy_on_write(state, as_index("seq_id", seq_id))
+  return prefix_cache.copy_on_write(state, as_sequence(state, "seq_id", seq_id))
 
 
 def fork(state: PrefixCacheState, parent_id, child_id):
@@ -120,8 +120,8 @@ def fork(state: PrefixCacheState, parent_id, child_id):
   check_state(state)
   return prefix_cache.fork(
     state,
-    as_index("parent_id", parent_id),
-    as_index("child_id", child_id),
+    as_sequence(state, "parent_id", parent_id),
+    as_sequence(state, "child_id", child_id),
   )
 
 
@@ -134,7 +134,7 @@ def publish(
   state is read on the host).
   """
   check_state(state)
-  seq = as_index("seq_id", seq_id)
+  seq = as_sequence(state, "seq_id", seq_id)
   if isinstance(num_tokens, int | np.integer) and isinstance(
     seq_id, int | np.integer
   ):
@@ -157,7 +157,7 @@ def publish(
 def release(state: PrefixCacheState, seq_id):
   """Checked :func:`prefixjax.cache.prefix_cache.release`."""
   check_state(state)
-  return prefix_cache.release(state, as_index("seq_id", seq_id))
+  return prefix_cache.release(state, as_sequence(state, "seq_id", seq_id))
 
 
 def invalidate(state: PrefixCacheState):
