@@ -462,6 +462,34 @@ def test_bad_arguments_are_refused(rng):
   assert "cache_aware" in router_names()
 
 
+def test_rejected_counts_the_input_check_and_unrouted_the_rest(rng):
+  """Requests a replica refuses (prompts of ``max_model_len`` tokens or
+  more) are ``rejected``; requests not routed because the run stopped
+  early are ``unrouted``, not rejected."""
+  trace = _trace(rng, n=12)
+  records = [
+    dict(input_tok_ids=[int(t) for t in trace.input_token_ids[i]],
+         output_toks=int(trace.output_lengths[i]))
+    for i in range(len(trace))
+  ]  # fmt: skip
+  long = sorted(rng.choice(len(records), 3, replace=False).tolist())
+  for i in long:
+    records[i]["input_tok_ids"] = list(range(1, CONFIG.max_model_len + 1))
+  whole = simulate_cluster(records, CONFIG, replicas=2)
+  m = whole.metrics()
+  assert whole.status == "OK"
+  assert (m["rejected"], m["unrouted"], m["finished"]) == (3, 0, 9)
+  assert sorted(np.flatnonzero(whole.route < 0).tolist()) == long
+  arrivals = dict(arrivals="poisson", rate=2.0, step_time_ms=25.0)
+  cut = simulate_cluster(records, CONFIG, replicas=2, max_steps=3, **arrivals)
+  m = cut.metrics()
+  assert cut.status == "OUT_OF_STEPS"
+  routed = int((cut.route >= 0).sum())
+  assert m["unrouted"] == 12 - routed - m["rejected"] > 0
+  assert m["rejected"] == sum(int(cut.rejected[i]) for i in long) <= 3
+  assert not cut.rejected[[i for i in range(12) if i not in long]].any()
+
+
 def test_a_sweep_of_routers_gives_the_rows_of_direct_calls(rng, tmp_path):
   from prefixjax.sweep import parse_spec, run_sweep
 

@@ -350,7 +350,8 @@ class ClusterResult:
     router, mode: what routed.
     status: ``"OK"`` or the :class:`~prefixjax.serving.vllm_v1.SimStatus`
       name.
-    route: ``[R]`` the replica of each request (-1: rejected).
+    route: ``[R]`` the replica of each request (-1: rejected, or not
+      routed yet when the run stopped early).
     arrival_step, prompt_len, first_token_step, finish_step,
       hit_first_sched, num_output, num_preemptions: ``[R]`` per request,
       read from the replica that served it.
@@ -376,6 +377,7 @@ class ClusterResult:
   trace: dict[str, np.ndarray]
   step_time_ms: float | None
   evictions: np.ndarray | None = None
+  rejected: np.ndarray | None = None  # [R] refused by the input check
 
   def per_replica(self) -> list[dict[str, Any]]:
     """Per replica: ``requests``, ``prompt_tokens``, ``hit_tokens``,
@@ -414,7 +416,9 @@ class ClusterResult:
     return out
 
   def metrics(self) -> dict[str, Any]:
-    """The cluster's summary: ``requests``, ``finished``, ``rejected``,
+    """The cluster's summary: ``requests``, ``finished``, ``rejected`` (by
+    the input check), ``unrouted`` (arrived after a run that stopped early,
+    ``status`` not OK),
     ``prompt_tokens``, ``hit_tokens``, ``token_hit_rate``, ``imbalance``
     (max over mean of the replicas' computed tokens; 1 is even),
     ``request_imbalance`` (the same of routed requests), ``preemptions``,
@@ -425,6 +429,9 @@ class ClusterResult:
     per = self.per_replica()
     routed = self.route >= 0
     done = routed & (self.finish_step >= 0)
+    rejected = int(
+      (~routed).sum() if self.rejected is None else self.rejected.sum()
+    )
     prompt = int(self.prompt_len[routed].sum())
     hit = int(self.hit_first_sched[routed].sum())
     work = np.asarray([r["tokens_computed"] for r in per], np.float64)
@@ -439,7 +446,8 @@ class ClusterResult:
       mode=self.mode,
       requests=len(self.route),
       finished=int(done.sum()),
-      rejected=int((~routed).sum()),
+      rejected=rejected,
+      unrouted=int((~routed).sum()) - rejected,
       prompt_tokens=prompt,
       hit_tokens=hit,
       token_hit_rate=hit / prompt if prompt else None,
@@ -638,6 +646,8 @@ def simulate_cluster(
   final, tr = jax.device_get((final, tr))
   n = int(final.num_steps)
   route = np.asarray(final.route)
+  # Every replica marks the input check's refusals REJECTED from the start.
+  rejected = np.asarray(final.replicas.status)[0] == Status.REJECTED
   rows = np.where(route >= 0, route, 0)
   idx = np.arange(r)
   reps = final.replicas
@@ -661,4 +671,5 @@ def simulate_cluster(
     trace={k: np.asarray(v)[:n] for k, v in tr.items()},
     step_time_ms=None if step_time_ms is None else float(step_time_ms),
     evictions=np.asarray(reps.cache.stats.evictions),
+    rejected=rejected,
   )
