@@ -149,6 +149,8 @@ def test_bad_arguments_are_reported():
   tokens = generate_workload("system_prompt", num_requests=4, seed=0)
   with pytest.raises(ValueError, match="block_size=0 must be >= 1"):
     rp.replay(tokens, policy="fifo", capacities=[8], block_size=0)
+  with pytest.raises(ValueError, match="publish='late' is a vllm-semantics"):
+    rp.replay(tokens, policy="fifo", capacities=[8], publish="late")
   with pytest.raises(ValueError, match="input_length=0"):
     rp.prepare_replay([[1]], [0], block_size=4)
   plan = rp.prepare_replay([[1]], [4], block_size=4)

@@ -594,6 +594,31 @@ def test_bad_argument_types_are_refused(kw, match):
       serving.simulate_batch(records, [_config()], **kw)
 
 
+@pytest.mark.parametrize(
+  "trace, error, match",
+  [
+    (None, TypeError, "trace must be a Trace or an iterable of records"),
+    ("abc", TypeError, "got str"),
+    ([1, 2], TypeError, "record 0 must be a dict, got int"),
+    ([dict(output_toks=2)], ValueError, "record 0 has no input_tok_ids"),
+    (
+      [dict(input_tok_ids=[1], output_toks=1), dict(input_tok_ids=[2],
+       output_toks=1.5)],
+      ValueError,
+      r"record 1: output_toks=1.5 must be an int",
+    ),
+    (
+      [dict(input_tok_ids=[1], output_toks=1, priority="high")],
+      ValueError,
+      "record 0: priority='high' must be an int",
+    ),
+  ],
+)  # fmt: skip
+def test_bad_records_are_refused_naming_the_record(trace, error, match):
+  with pytest.raises(error, match=match):
+    serving.simulate(trace, _config())
+
+
 @pytest.mark.parametrize("token", [2**31, 2**32 + 1, -1])
 def test_token_ids_outside_int32_are_refused(token):
   """The device hashes token ids as int32 words: 2**32 + 1 would alias 1."""

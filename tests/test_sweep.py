@@ -324,6 +324,20 @@ def test_bad_specs_name_the_file_the_field_and_the_rule(
   assert field in message and rule in message, message
 
 
+def test_a_spec_built_in_code_takes_numpy_numbers():
+  spec = parse_spec(
+    {"replay": {"capacity": [np.int64(32), 64], "warmup_fraction": 0.25}}
+  )
+  got = [p.get("capacity") for p in spec.points]
+  assert got == [32, 64] and all(type(c) is int for c in got)
+  assert (
+    spec.points[0].key
+    == parse_spec({"replay": {"capacity": [32, 64], "warmup_fraction": 0.25}})
+    .points[0]
+    .key
+  )
+
+
 def test_full_table_changes_only_what_it_names(tmp_path):
   path = _write(
     tmp_path,

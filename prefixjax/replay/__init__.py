@@ -388,6 +388,11 @@ def _replay(
       f"vllm_version={vllm_version!r} is a vllm-semantics rule; "
       f"semantics={semantics!r} has none"
     )
+  if publish != "early" and semantics != "vllm":
+    raise ValueError(
+      f"publish={publish!r} is a vllm-semantics rule; semantics="
+      f"{semantics!r} has none"
+    )
   if waiting_refresh_interval != 32 and semantics != "sglang":
     raise ValueError(
       f"waiting_refresh_interval={waiting_refresh_interval!r} is an "

@@ -479,7 +479,8 @@ def simulate(
 
   ``config.semantics="sglang"`` runs SGLang 0.5.23's scheduler loop over its
   paged radix cache instead (:mod:`prefixjax.serving.sglang_engine`; its
-  schedulers are ``fcfs`` and ``lpm``), with the same arguments and result.
+  schedulers are ``fcfs``, ``lpm``, ``dfs``, ``fair`` and ``priority``),
+  with the same arguments and result.
 
   ``config.scheduler`` picks FCFS (the default), PRIORITY (the waiting
   queue is ordered by each record's ``priority``, lower first, default 0;
@@ -693,7 +694,31 @@ def prepare_records(trace) -> list[dict[str, Any]]:
 
 
 def _check_records(trace) -> list:
-  records = _records_of(trace) if isinstance(trace, Trace) else list(trace)
+  if isinstance(trace, Trace):
+    records = _records_of(trace)
+  elif isinstance(trace, (str, bytes, Mapping)) or not isinstance(
+    trace, Iterable
+  ):
+    raise TypeError(
+      "trace must be a Trace or an iterable of records (dicts with "
+      f"input_tok_ids), got {type(trace).__name__}"
+    )
+  else:
+    records = list(trace)
+    for rid, rec in enumerate(records):
+      if not isinstance(rec, Mapping):
+        raise TypeError(
+          f"record {rid} must be a dict, got {type(rec).__name__}"
+        )
+      if "input_tok_ids" not in rec:
+        raise ValueError(
+          f"record {rid} has no input_tok_ids (fields: "
+          f"{', '.join(map(str, rec)) or 'none'})"
+        )
+      for key in ("output_toks", "priority"):
+        v = rec.get(key, 0)
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+          raise ValueError(f"record {rid}: {key}={v!r} must be an int")
   if not records:
     raise ValueError("simulate needs at least one request")
   return fan_out(records)

@@ -96,6 +96,7 @@ import hashlib
 import itertools
 import json
 import math
+import numbers
 import pathlib
 import re
 import tomllib
@@ -135,8 +136,10 @@ def _fail(where: str, rule: str):
 
 def _int(minimum: int, maximum: int | None = None):
   def check(where, v):
-    if isinstance(v, bool) or not isinstance(v, int):
+    # numbers.Integral: Python and numpy integers (a spec built in code).
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
       _fail(where, f"must be an integer, got {v!r}")
+    v = int(v)
     if v < minimum:
       _fail(where, f"must be >= {minimum}, got {v}")
     if maximum is not None and v > maximum:
@@ -148,7 +151,7 @@ def _int(minimum: int, maximum: int | None = None):
 
 def _float(low: float, high: float | None = None, *, open_low=False):
   def check(where, v):
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
       _fail(where, f"must be a number, got {v!r}")
     v = float(v)
     if not math.isfinite(v) or (v <= low if open_low else v < low):
