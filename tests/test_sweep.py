@@ -9,6 +9,7 @@ run against a clean one.
 from __future__ import annotations
 
 import csv
+import hashlib
 import itertools
 import json
 import os
@@ -788,18 +789,24 @@ def test_a_changed_trace_file_is_refused_not_resumed(rng, tmp_path):
     "[replay]\ncapacity = [4, 16]\nblock_size = 512\n",
   )
   out = tmp_path / "out"
+
+  def recorded(folder):
+    return json.loads((folder / "spec.json").read_text())["trace_digests"]
+
   first = run_sweep(path, out, plots=False)
   assert run_sweep(path, out, plots=False).rows == first.rows  # unchanged
+  old = hashlib.sha256(trace.read_bytes()).hexdigest()
+  assert recorded(out) == {"t": old}
   before = sorted((out / "points").iterdir())
   lines = trace.read_text().splitlines()
   trace.write_text("\n".join(lines[1:]) + "\n")
   with pytest.raises(SweepError, match="t.jsonl.*has changed since"):
     run_sweep(path, out, plots=False)
   assert sorted((out / "points").iterdir()) == before
-  again = run_sweep(path, tmp_path / "fresh", plots=False)
-  assert [r["total_tokens"] for r in again.rows] != [
-    r["total_tokens"] for r in first.rows
-  ]
+  assert recorded(out) == {"t": old}  # the refused run wrote nothing
+  run_sweep(path, tmp_path / "fresh", plots=False)
+  new = hashlib.sha256(trace.read_bytes()).hexdigest()
+  assert recorded(tmp_path / "fresh") == {"t": new} != {"t": old}
 
 
 def test_a_hash_trace_at_another_block_size_is_refused_before_any_point(
