@@ -598,9 +598,8 @@ def _sglang_inputs(
 ):
   """:func:`simulate`'s checks and host preparation for SGLang's loop:
   (the keyword arguments ``tokens``, ``arr``, ``client``, ``priority`` of
-  :func:`~prefixjax.serving.sglang_sim.simulate_sglang`, the clock)."""
-  if step_time_ms is not None and not step_time_ms > 0:
-    raise ValueError(f"step_time_ms={step_time_ms!r} must be > 0")
+  :func:`~prefixjax.serving.sglang_sim.simulate_sglang`, the clock;
+  ``step_time_ms`` was checked by :func:`check_run_arguments`)."""
   timer = _clock(clock, model, hardware)
   tokens = _request_tokens(records, config.max_model_len)
   arr = _arrival_arrays(

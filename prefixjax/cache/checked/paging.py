@@ -52,10 +52,15 @@ def as_index(name: str, value) -> jax.Array:
   Concrete negative values are reported here; traced values are checked by
   the verb, which returns a status.
   """
+  return _index(name, value)[0]
+
+
+def _index(name: str, value) -> tuple[jax.Array, int | None]:
+  """:func:`as_index`'s array, and its value on the host (None if traced)."""
   if isinstance(value, bool):
     raise TypeError(f"{name}={value!r} must be an integer, not a bool")
   if isinstance(value, (int, np.integer)):
-    return _in_int32(name, int(value))
+    return _in_int32(name, int(value)), int(value)
   if value is None or isinstance(value, (str, bytes, float)):
     raise TypeError(f"{name}={value!r} must be an integer scalar")
   host = _concrete(value)
@@ -65,8 +70,8 @@ def as_index(name: str, value) -> jax.Array:
   if arr.dtype == bool or not jnp.issubdtype(arr.dtype, jnp.integer):
     raise TypeError(f"{name} must have an integer dtype, got {arr.dtype}")
   if host is not None:  # concrete: its value checked before the cast
-    return _in_int32(name, int(host))
-  return arr.astype(jnp.int32)
+    return _in_int32(name, int(host)), int(host)
+  return arr.astype(jnp.int32), None
 
 
 def _concrete(value) -> np.ndarray | None:
@@ -91,11 +96,10 @@ def _in_int32(name: str, value: int) -> jax.Array:
 def as_sequence(state, name: str, value) -> jax.Array:
   """:func:`as_index` for a sequence id, also checked against the state's
   ``max_seqs`` when concrete."""
-  index = as_index(name, value)
-  host = _concrete(index)
-  if host is not None and int(host) >= state.max_seqs:
+  index, host = _index(name, value)  # the value read on the host once
+  if host is not None and host >= state.max_seqs:
     raise ValueError(
-      f"{name}={int(host)} is outside [0, {state.max_seqs}) "
+      f"{name}={host} is outside [0, {state.max_seqs}) "
       f"(max_seqs={state.max_seqs})"
     )
   return index
