@@ -19,8 +19,31 @@ if os.environ.get("PREFIXJAX_TEST_OPTIMIZED", "") not in ("1", "true", "yes"):
   os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # Tests that call the CLI in this process must not fill the user's cache
 # folders; the compile- and trace-cache tests pass their own explicitly.
-os.environ.setdefault("PREFIXJAX_COMPILE_CACHE", "off")
 os.environ.setdefault("PREFIXJAX_TRACE_CACHE", "off")
+# One compilation cache for this run only, in a fresh temporary folder that
+# the pytest-xdist workers and the CLI subprocesses inherit (the controller
+# imports this file first and sets the variables; workers see them set).
+# The same programs are compiled again and again across modules (jax's
+# in-memory caches are dropped after each module, below) and across
+# workers; the persistent cache gives back the executable XLA built for
+# the same program, so the results are those of a fresh compile.
+# PREFIXJAX_TEST_COMPILE_CACHE=off compiles everything afresh.
+_RUN_CACHE = "PREFIXJAX_TEST_RUN_CACHE"
+_OWN_RUN_CACHE = None  # the folder this process made, removed at its end
+if os.environ.get("PREFIXJAX_TEST_COMPILE_CACHE", "") in ("0", "off", "no"):
+  os.environ.setdefault("PREFIXJAX_COMPILE_CACHE", "off")
+elif _RUN_CACHE not in os.environ and "PYTEST_XDIST_WORKER" not in os.environ:
+  import tempfile
+
+  os.environ[_RUN_CACHE] = tempfile.mkdtemp(prefix="prefixjax-test-jax-")
+  _OWN_RUN_CACHE = os.environ[_RUN_CACHE]
+if os.environ.get(_RUN_CACHE):
+  os.environ.setdefault("PREFIXJAX_COMPILE_CACHE", os.environ[_RUN_CACHE])
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ[_RUN_CACHE])
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+else:
+  os.environ.setdefault("PREFIXJAX_COMPILE_CACHE", "off")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -52,3 +75,11 @@ def _release_compiled_programs():
   """
   yield
   jax.clear_caches()
+
+
+def pytest_unconfigure(config):
+  """The controller removes this run's compilation cache at the end."""
+  if _OWN_RUN_CACHE:
+    import shutil
+
+    shutil.rmtree(_OWN_RUN_CACHE, ignore_errors=True)

@@ -148,8 +148,9 @@ def kernel_env(tmp_path_factory, monkeypatch):
 
   The kernelspec goes first on ``JUPYTER_PATH``, ahead of any user or
   system ``python3``. The kernel gets its own temporary folder (``OUT``
-  lands there), its own IPython folder, and one CPU device as in Colab
-  (``conftest`` asks this process for eight).
+  lands there), its own IPython folder, one CPU device as in Colab
+  (``conftest`` asks this process for eight) and a cold start, as in
+  Colab too (not the compilation cache ``conftest`` shares across the run).
   """
   home = tmp_path_factory.mktemp("kernel")
   spec = home / "jupyter" / "kernels" / "python3"
@@ -165,6 +166,9 @@ def kernel_env(tmp_path_factory, monkeypatch):
   temp.mkdir()
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
+  # A cold start as in Colab: not the suite's compilation cache (conftest).
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  env["PREFIXJAX_COMPILE_CACHE"] = "off"
   env.update(
     TMPDIR=str(temp),
     IPYTHONDIR=str(home / "ipython"),
