@@ -1003,6 +1003,8 @@ def _simulate_config(args):
     max_prefill_tokens="--max-prefill-tokens",
     parallel_sampling="--semantics",
     priority_preemption_threshold="--priority-preemption-threshold",
+    low_priority_first="--low-priority-first",
+    priority_preemption="--no-priority-preemption",
   )
   extra = {}
   if args.max_prefill_tokens is not None:

@@ -71,6 +71,11 @@ def test_json_and_jsonl_match_simulate_and_model(tmp_path, capsys):
       "--priority-preemption-threshold",
     ),
     (["--max-prefill-tokens", "100"], "--max-prefill-tokens"),
+    (["--semantics", "sglang", "--low-priority-first"], "--low-priority-first"),
+    (
+      ["--semantics", "sglang", "--no-priority-preemption"],
+      "--no-priority-preemption",
+    ),
     (["--semantics", "sglang", "--num-blocks", "120"], "--num-blocks"),
     (["--arrivals", "trace"], "--step-time-ms"),
     (["--arrivals", "poisson", "--step-time-ms", "1"], "--rate"),

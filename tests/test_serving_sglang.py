@@ -330,6 +330,11 @@ def test_timed_clock_keeps_the_decisions_and_metrics_read_the_run(rng):
   [
     (dict(scheduler=serving.schedulers.get_scheduler("lpm")), "the schedulers"),
     (dict(semantics="vllm", low_priority_first=True), "sglang-semantics knob"),
+    (dict(low_priority_first=True), "rule of scheduler='priority'"),
+    (
+      dict(scheduler="lpm", priority_preemption=False),
+      "scheduler='lpm' reads no priority",
+    ),
     (dict(priority_preemption_threshold=2**30), r"must be in \(-2\*\*30"),
     (dict(num_gpu_blocks=20), r"max_model_len \+ block_size"),
     (dict(max_num_batched_tokens=2), ">= block_size=4"),

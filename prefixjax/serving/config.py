@@ -97,15 +97,16 @@ class ServingConfig:
       requests; ``"sglang"`` only.
     low_priority_first: SGLang's ``--schedule-low-priority-values-first``
       (off by default: higher ``priority`` values go first; vLLM's
-      ``priority`` policy is always lower first); ``"sglang"`` only.
+      ``priority`` policy is always lower first); ``"sglang"``,
+      ``scheduler="priority"`` only.
     priority_preemption: SGLang's priority preemption (on by default;
       ``False`` is ``--disable-priority-preemption``): with the running
       slots full, a waiting request preempts running ones whose priority
       it beats by more than ``priority_preemption_threshold``;
-      ``"sglang"`` only.
+      ``"sglang"``, ``scheduler="priority"`` only.
     priority_preemption_threshold: SGLang's
       ``--priority-scheduling-preemption-threshold`` (default 10);
-      ``"sglang"`` only.
+      ``"sglang"``, ``scheduler="priority"`` only.
 
   Raises:
     TypeError: a field of the wrong type.
@@ -268,6 +269,21 @@ class ServingConfig:
       raise ValueError(
         "ServingConfig.priority_preemption_threshold="
         f"{self.priority_preemption_threshold} must be in (-2**30, 2**30)"
+      )
+    if name != "priority" and (
+      knob := next(
+        (
+          (field, getattr(self, field))
+          for field, default in _SGLANG_PRIORITY_KNOBS
+          if getattr(self, field) != default
+        ),
+        None,
+      )
+    ):
+      raise ValueError(
+        f"ServingConfig.{knob[0]}={knob[1]!r} is a rule of "
+        f"scheduler='priority' (SGLang's --enable-priority-scheduling); "
+        f"scheduler={name!r} reads no priority"
       )
     if self.long_prefill_token_threshold:
       raise ValueError(
