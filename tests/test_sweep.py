@@ -246,6 +246,20 @@ _BAD = [
     "replay.policy_params",
     "lists a value twice",
   ),
+  (  # the same policy, the number written two ways
+    "[replay]\ncapacity = 8\npolicy = 'lfu'\n"
+    "policy_params = [{ decay = 1 }, { decay = 1.0 }]\n",
+    "replay.policy_params",
+    "lists a value twice",
+  ),
+  (
+    "[replay]\ncapacity = 8\npolicy = 'lfu'\nsemantics = 'vllm'\n"
+    "policy_params = { decay = 1 }\n[[points]]\nmode = 'replay'\n"
+    "capacity = 8\npolicy = 'lfu'\nsemantics = 'vllm'\n"
+    "policy_params = { decay = 1.0 }\n",
+    "repeats point 0",
+    "",
+  ),
   (
     "[[points]]\nmode = 'replay'\ncapacity = 8\npolicy_params = { k = 1 }\n",
     'points[0]: replay.policy_params={"k": 1}',

@@ -433,6 +433,24 @@ class Point:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def _by_value(v):
+  """What a field's value computes: a policy_params text's numbers by value
+  (``{ decay = 1 }`` and ``{ decay = 1.0 }`` build the same policy)."""
+  if isinstance(v, str) and v.startswith("{"):
+    table = json.loads(v)
+    return repr(
+      sorted((k, float(x) if type(x) is int else x) for k, x in table.items())
+    )
+  return repr(v)
+
+
+def _value_key(p: Point) -> tuple:
+  """Points equal here compute the same thing (their keys may differ only
+  by how a number was written)."""
+  workload = json.dumps(p.workload.identity(), sort_keys=True)
+  return (p.mode, workload, tuple((k, _by_value(v)) for k, v in p.params))
+
+
 # Fields added after sweeps had written results, with their defaults: left
 # out of a point's key at the default, so a spec that does not use them keeps
 # the keys (and the fingerprint) it had, and its results folder resumes.
@@ -656,12 +674,13 @@ def parse_spec(
   )
   keys = {}
   for p in expanded:
-    if p.key in keys:
+    same = _value_key(p)
+    if same in keys:
       raise SpecError(
-        f"{label}: point {p.index} repeats point {keys[p.key]} (same mode, "
+        f"{label}: point {p.index} repeats point {keys[same]} (same mode, "
         "workload and fields)"
       )
-    keys[p.key] = p.index
+    keys[same] = p.index
   return SweepSpec(
     name=name,
     description=description,
@@ -833,7 +852,7 @@ def _grid(section, mode, label, workloads) -> dict[str, list]:
       )
       for i, x in enumerate(vs)
     ]
-    if len(set(map(repr, grid[k]))) != len(grid[k]):
+    if len(set(map(_by_value, grid[k]))) != len(grid[k]):
       raise SpecError(f"{where}: lists a value twice")
   if "workload" not in grid:  # outermost unless written
     grid = {"workload": list(workloads), **grid}
