@@ -920,6 +920,25 @@ def test_an_absent_trace_skips_its_points_with_the_reason(tmp_path):
   assert any(absent in s for s in said)
 
 
+def test_list_says_what_a_run_would_leave_out_or_skip(tmp_path, capsys):
+  """``--list`` prints the notes a run prints first: grid combinations
+  left out (with counts) and workloads whose points would be skipped."""
+  path = _write(
+    tmp_path,
+    "[workloads.gone]\ntrace = 'no/such/trace.jsonl'\n"
+    "[workloads.here]\ngenerator = 'system_prompt'\nrequests = 20\n"
+    "[replay]\ncapacity = [8, 16]\nsemantics = ['kvcache-sim', 'vllm']\n"
+    "policy = ['fifo', 'lfu']\n",
+  )
+  assert main(["sweep", str(path), "--list"]) == 0
+  text = capsys.readouterr().out
+  # lfu is vllm's alone: kvcache-sim x lfu x 2 capacities x 2 workloads
+  assert "replay: 4 points of policy lfu left out (kvcache-sim" in text
+  absent = str(tmp_path / "no/such/trace.jsonl")
+  assert f"workload gone: trace file {absent} is absent" in text
+  assert not (tmp_path / "results").exists()
+
+
 def test_sharded_over_devices_gives_the_rows_of_one(rng, tmp_path):
   """The simulate group vmapped in a subprocess with 8 faked CPU devices
   (``--xla_force_host_platform_device_count=8`` set before jax is

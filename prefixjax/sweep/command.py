@@ -112,10 +112,17 @@ def _distributed(args) -> tuple[int, int]:
 
 def run(args) -> int:
   from prefixjax.sweep import load_spec, run_sweep
-  from prefixjax.sweep.runner import groups
+  from prefixjax.sweep.runner import groups, left_out_notes
 
   spec = load_spec(args.spec, full=args.full)
   if args.list:
+    for note in left_out_notes(spec):
+      print(note)
+    for name, w in spec.workloads.items():
+      if any(p.workload.name == name for p in spec.points) and (
+        why := w.missing()
+      ):
+        print(f"workload {name}: {why}; its points would be skipped")
     for g in groups(spec):
       p0 = g[0]
       print(f"group of {len(g)}: {p0.mode} on {p0.workload.name}")

@@ -423,6 +423,29 @@ def _load_done(
   return done
 
 
+def left_out_notes(spec: SweepSpec) -> list[str]:
+  """One line per kind of grid combination the spec leaves out (a policy
+  or scheduler its semantics does not serve, policy parameters a policy
+  does not take), with how many points each left out."""
+  from prefixjax.serving.schedulers import scheduler_names
+
+  notes = []
+  for sem, policy, n in spec.left_out:
+    simulate = policy in scheduler_names()  # no name is both
+    what = "scheduler" if simulate else "policy"
+    mode = "simulate" if simulate else "replay"
+    notes.append(
+      f"{mode}: {n} points of {what} {policy} left out ({sem} does not "
+      "serve it)"
+    )
+  for policy, params, n in spec.left_out_params:
+    notes.append(
+      f"replay: {n} points of policy {policy} with policy_params {params} "
+      f"left out ({policy} takes no such parameter)"
+    )
+  return notes
+
+
 def run_sweep(
   spec: SweepSpec | str | os.PathLike,
   out: str | os.PathLike | None = None,
@@ -490,21 +513,8 @@ def run_sweep(
     _check_out(out, spec, digests)
     folder = out / "points"
     done = _load_done(folder, spec, clean=count == 1)
-  for sem, policy, n in spec.left_out:
-    from prefixjax.serving.schedulers import scheduler_names
-
-    simulate = policy in scheduler_names()  # no name is both
-    what = "scheduler" if simulate else "policy"
-    mode = "simulate" if simulate else "replay"
-    say(
-      f"{mode}: {n} points of {what} {policy} left out ({sem} does not "
-      "serve it)"
-    )
-  for policy, params, n in spec.left_out_params:
-    say(
-      f"replay: {n} points of policy {policy} with policy_params {params} "
-      f"left out ({policy} takes no such parameter)"
-    )
+  for note in left_out_notes(spec):
+    say(note)
   missing = {}
   traces = {}
   for name, w in spec.workloads.items():
