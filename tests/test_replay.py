@@ -153,6 +153,18 @@ def test_bad_arguments_are_reported():
     rp.replay(tokens, policy="fifo", capacities=[8], publish="late")
   with pytest.raises(ValueError, match="input_length=0"):
     rp.prepare_replay([[1]], [0], block_size=4)
+  # more blocks than the prompt covers: ceil(5 / 4) = 2
+  with pytest.raises(ValueError, match=r"request 1 has 3 blocks but input_"):
+    rp.prepare_replay([[1], [1, 2, 3]], [4, 5], block_size=4)
+  with pytest.raises(
+    ValueError, match=r"input_lengths\[1\]=4.5 must be a whole"
+  ):
+    rp.prepare_replay([[1], [2]], [4, 4.5], block_size=4)
+  with pytest.raises(ValueError, match="input_lengths must be integers"):
+    rp.prepare_replay([[1], [2]], ["4", "4"], block_size=4)
+  whole = rp.prepare_replay([[1], [1, 2]], np.array([4.0, 5.0]), block_size=4)
+  exact = rp.prepare_replay([[1], [1, 2]], [4, 5], block_size=4)
+  assert np.array_equal(whole.weight, exact.weight)
   plan = rp.prepare_replay([[1]], [4], block_size=4)
   with pytest.raises(ValueError, match="policy='lfu'"):
     rp.replay(plan, policy="lfu", capacities=[1])

@@ -156,13 +156,23 @@ def _events(hash_ids, input_lengths, block_size) -> dict[str, np.ndarray]:
           f"hash_ids[{index}] must be integers that fit in int64"
         ) from None
   lengths = np.fromiter(map(len, rows), np.int64, len(rows))
-  inputs = np.asarray(input_lengths, np.int64).reshape(-1)
+  inputs = _input_lengths(input_lengths)
   empty_prompt = (lengths > 0) & (inputs <= 0)
   if empty_prompt.any():
     index = int(np.argmax(empty_prompt))
     raise ValueError(
       f"request {index} has {int(lengths[index])} blocks but "
       f"input_length={int(inputs[index])}"
+    )
+  covered = -(-np.maximum(inputs, 0) // block_size)
+  too_many = lengths > covered
+  if too_many.any():
+    index = int(np.argmax(too_many))
+    raise ValueError(
+      f"request {index} has {int(lengths[index])} blocks but "
+      f"input_length={int(inputs[index])} covers at most "
+      f"ceil({int(inputs[index])} / {block_size}) = {int(covered[index])} "
+      f"blocks of block_size={block_size}"
     )
   kept = np.flatnonzero(lengths > 0)
   if not kept.size:
@@ -190,6 +200,36 @@ def _events(hash_ids, input_lengths, block_size) -> dict[str, np.ndarray]:
     request=request_arr,
     kept=kept.astype(np.int64),
   )
+
+
+def _input_lengths(input_lengths) -> np.ndarray:
+  """``[R]`` int64 prompt lengths; refuses what is not a whole number."""
+  try:
+    arr = np.asarray(input_lengths)
+  except ValueError:  # ragged
+    arr = np.asarray(input_lengths, object)
+  if arr.ndim != 1:
+    raise ValueError(
+      f"input_lengths must be one number per request, got shape {arr.shape}"
+    )
+  if arr.dtype.kind in "iu":
+    if arr.dtype.kind == "u" and arr.size and arr.max() >= 2**63:
+      raise ValueError("input_lengths must be integers that fit in int64")
+    return arr.astype(np.int64)
+  if arr.dtype.kind != "f":
+    raise ValueError(
+      f"input_lengths must be integers (prompt token counts), got dtype "
+      f"{arr.dtype}"
+    )
+  whole = np.isfinite(arr) & (np.abs(arr) < 2.0**62)
+  whole[whole] = arr[whole] == np.round(arr[whole])
+  if not whole.all():
+    index = int(np.argmin(whole))
+    raise ValueError(
+      f"input_lengths[{index}]={arr[index].item()!r} must be a whole number (a "
+      "prompt's token count)"
+    )
+  return arr.astype(np.int64)
 
 
 def _number_prefixes(ids: np.ndarray, depth: np.ndarray):
