@@ -76,6 +76,12 @@ def test_children_hit_the_prompt_their_sibling_publishes(rng):
   assert all(r["hit_first_sched"] == (p - 1) // k * k for r in reqs[1:])
 
 
+def test_samples_past_int32_request_ids_are_refused_before_any_is_built():
+  records = [dict(input_tok_ids=[1, 2, 3], output_toks=1, n=2**30)] * 2
+  with pytest.raises(ValueError, match="record 1: n=1073741824 takes the"):
+    serving.simulate(records, CONFIG)
+
+
 @pytest.mark.parametrize("n", [0, -1, 1.5, True])
 def test_bad_n_is_refused(n):
   with pytest.raises(ValueError, match="record 0: n="):

@@ -202,6 +202,16 @@ def test_bad_config_names_the_field(change, field):
       VllmScheduler(**kw)
 
 
+def test_block_tables_past_int32_entries_are_refused():
+  """max_num_seqs x ceil(max_model_len / block_size) entries index the
+  block tables with int32 ids."""
+  cols = -(-_config().max_model_len // _config().block_size)
+  most = (2**31 - 1) // cols
+  _config(max_num_seqs=most, max_num_batched_tokens=most)  # fits
+  with pytest.raises(ValueError, match="ServingConfig.max_num_seqs=.*int32"):
+    _config(max_num_seqs=most + 1, max_num_batched_tokens=most + 1)
+
+
 def test_bad_config_types():
   with pytest.raises(TypeError, match="ServingConfig.block_size"):
     _config(block_size=4.0)

@@ -185,6 +185,13 @@ class ServingConfig:
       raise ValueError(
         f"ServingConfig.max_model_len={self.max_model_len} must be >= 1"
       )
+    if self.max_num_seqs * _cdiv(self.max_model_len, self.block_size) >= 2**31:
+      raise ValueError(
+        f"ServingConfig.max_num_seqs={self.max_num_seqs}: its block tables of "
+        f"ceil(max_model_len={self.max_model_len} / block_size="
+        f"{self.block_size}) columns overflow int32 entry ids (at most "
+        f"{2**31 - 1:_} entries)"
+      )
     if self.num_gpu_blocks * self.block_size >= 2**31:
       raise ValueError(
         f"ServingConfig.num_gpu_blocks={self.num_gpu_blocks} * block_size="

@@ -743,12 +743,18 @@ def fan_out(records: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
   Raises:
     ValueError: ``n`` not an int >= 1 (the message names the record).
   """
-  ns = []
+  ns, total = [], 0
   for rid, rec in enumerate(records):
     n = rec.get("n", 1)
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
       raise ValueError(f"record {rid}: n={n!r} must be an int >= 1")
     ns.append(int(n))
+    total += int(n)
+    if total >= 2**31:  # checked before building any sample
+      raise ValueError(
+        f"record {rid}: n={n} takes the requests with their samples to "
+        f"{total:_}, past int32 request ids (at most {2**31 - 1:_})"
+      )
   if max(ns) == 1:
     return records
   out = []
