@@ -436,12 +436,15 @@ class Point:
 def _by_value(v):
   """What a field's value computes: a policy_params text's numbers by value
   (``{ decay = 1 }`` and ``{ decay = 1.0 }`` build the same policy)."""
-  if isinstance(v, str) and v.startswith("{"):
-    table = json.loads(v)
-    return repr(
-      sorted((k, float(x) if type(x) is int else x) for k, x in table.items())
-    )
-  return repr(v)
+  try:
+    table = json.loads(v) if isinstance(v, str) and v[:1] == "{" else None
+  except ValueError:
+    table = None
+  if not isinstance(table, dict):
+    return repr(v)
+  return repr(
+    sorted((k, float(x) if type(x) is int else x) for k, x in table.items())
+  )
 
 
 def _value_key(p: Point) -> tuple:
