@@ -70,6 +70,7 @@ import warnings
 from typing import Any, Literal
 
 import jax
+import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 logger = logging.getLogger("pallas_kernels")
@@ -237,10 +238,19 @@ def resolve_backend(
   Raises:
     ValueError: an unknown backend, or a Pallas backend on a platform that
       cannot compile it without ``interpret=True``.
+    TypeError: ``interpret`` a number or string (``0`` would read as an
+      interpret-params object).
   """
   if backend is not None and backend not in BACKENDS:
     raise ValueError(
       f"{kernel}: backend={backend!r} must be None or one of {BACKENDS}."
+    )
+  if isinstance(interpret, (bool, np.bool_)):
+    interpret = bool(interpret)
+  elif interpret is not None and isinstance(interpret, (int, float, str)):
+    raise TypeError(
+      f"{kernel}: interpret={interpret!r} must be a bool, None or an "
+      "interpret-params object (e.g. pltpu.InterpretParams())"
     )
   platform = jax.default_backend()
   wants_interpret = interpret is not False and interpret is not None

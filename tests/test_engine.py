@@ -318,6 +318,10 @@ def test_bad_configs_and_arguments_are_refused():
     Engine("tiny", CFG)
   with pytest.raises(ValueError, match="scheduler"):
     Engine(MODEL, CFG, scheduler="nope")
+  with pytest.raises(ValueError, match="backend='cuda' must be None or one"):
+    Engine(MODEL, CFG, backend="cuda")  # before, in the first forward
+  with pytest.raises(TypeError, match="interpret=0 must be a bool"):
+    Engine(MODEL, CFG, backend="pallas_tpu", interpret=0)
   eng = Engine(MODEL, CFG)
   bad = [
     (([],), {}, "prompts is empty"),
@@ -335,6 +339,10 @@ def test_bad_configs_and_arguments_are_refused():
     eng.generate([[1, 2], [3]], [4])
   with pytest.raises(ValueError, match="max_new_tokens=0"):
     eng.generate([[1, 2]], 0)
+  # A request stops at max_model_len however large its budget (2**40 used
+  # to overflow int32 in the scheduler's inputs).
+  long = eng.generate([[1] * 250], 2**40)
+  assert len(long.tokens[0]) == 256 - 250
   wide = dataclasses.replace(MODEL, name="wide", hidden_size=32)
   wrong = Engine(wide, CFG).params
   with pytest.raises(ValueError, match="params"):

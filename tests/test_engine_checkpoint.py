@@ -147,6 +147,62 @@ def test_checkpoint_errors(rng, tmp_path):
     eng.save(tmp_path / "y", gen)
   with pytest.raises(RuntimeError, match="still running"):
     other.start([_ids(rng, 5)], 2)
+  # Saved alone, the pool (holding the running generation's KV) and the
+  # prefix cache (from before it) would disagree.
+  with pytest.raises(ValueError, match="a generation is running"):
+    other.save(tmp_path / "z")
+  assert not (tmp_path / "z").exists()
   gen.run()
   with pytest.raises(RuntimeError, match="done"):
     gen.step()
+
+
+SMALL = CacheConfig(
+  block_size=4,
+  num_blocks=14,
+  max_num_seqs=2,
+  max_num_batched_tokens=16,
+  max_model_len=48,
+)
+
+
+@pytest.mark.parametrize("how", ["abandon", "error"])
+def test_a_generation_stopped_midway_leaves_the_engine_usable(
+  rng, how, monkeypatch
+):
+  """A generation stopped before it is done (``abandon()``, or an error
+  inside ``generate``) has written KV into pages the prefix cache lists
+  as holding an earlier prompt; the engine must not serve those as hits.
+  Afterwards it generates what a fresh engine with the same weights does."""
+  seed = int(rng.integers(100))
+  a, b = _ids(rng, 40), _ids(rng, 40)
+  eng = Engine(MODEL, SMALL, seed=seed)
+  eng.generate([a], 1)  # a's blocks cached
+  if how == "abandon":
+    gen = eng.start([b], 4)
+    for _ in range(3):
+      gen.step()
+    gen.abandon()
+    assert gen.done and gen.abandoned
+    with pytest.raises(RuntimeError, match="abandoned"):
+      gen.step()
+  else:
+    from prefixjax.model import engine as engine_module
+
+    real_step, calls = engine_module.Generation.step, []
+
+    def failing_step(self):  # the real step, then a failure on the 4th
+      calls.append(1)
+      if len(calls) == 4:
+        raise KeyboardInterrupt
+      real_step(self)
+
+    monkeypatch.setattr(engine_module.Generation, "step", failing_step)
+    with pytest.raises(KeyboardInterrupt):
+      eng.generate([b], 4)
+    monkeypatch.undo()
+  got = eng.generate([a], 4, return_logits=True)
+  fresh = Engine(MODEL, SMALL, seed=seed).generate([a], 4, return_logits=True)
+  assert got.tokens == fresh.tokens
+  assert _digest(got.logits) == _digest(fresh.logits)
+  assert got.stats["hit_tokens"] == fresh.stats["hit_tokens"] == 0

@@ -138,8 +138,9 @@ def save(engine: Engine, path, generation: Generation | None = None) -> None:
   Raises:
     TypeError: not an Engine / Generation, or a bad path type.
     FileExistsError: ``path`` exists.
-    ValueError: the generation belongs to another engine, or the engine's
-      scheduler or ``interpret`` cannot be written.
+    ValueError: the generation belongs to another engine or was
+      abandoned, a generation is running and was not passed, or the
+      engine's scheduler or ``interpret`` cannot be written.
   """
   if not isinstance(engine, Engine):
     raise TypeError(f"engine must be an Engine, got {type(engine)}")
@@ -150,6 +151,16 @@ def save(engine: Engine, path, generation: Generation | None = None) -> None:
       )
     if generation.eng is not engine:
       raise ValueError("the generation belongs to another engine")
+    if generation.abandoned:
+      raise ValueError("the generation was abandoned; nothing to resume")
+  live = engine._live
+  if live is not None and not live.done and generation is not live:
+    # The pool already holds the running generation's KV while the prefix
+    # cache is the one before it: saved alone, they would disagree.
+    raise ValueError(
+      "a generation is running on this engine: pass it "
+      "(save(path, generation)), or finish or abandon() it first"
+    )
   target = checkpoint_path(path)
   if target.exists():
     raise FileExistsError(

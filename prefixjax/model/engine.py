@@ -298,6 +298,9 @@ class Engine:
         f"batch_invariant must be a bool, got {batch_invariant!r}"
       )
     self.batch_invariant = batch_invariant
+    # Refuses an unknown backend, or a Pallas one this platform cannot
+    # run, now rather than in the first forward.
+    pk.resolve_backend(backend, interpret, kernel="Engine")
     self.backend, self.interpret = backend, interpret
     k = cache_config.block_size
     self.num_chunks = fwd.max_chunks(
@@ -355,7 +358,11 @@ class Engine:
       eos_id=eos_id,
       return_logits=return_logits,
     )
-    return gen.run(progress=progress)
+    try:
+      return gen.run(progress=progress)
+    except BaseException:  # an error or Ctrl-C mid-run: the engine stays usable
+      gen.abandon()
+      raise
 
   def start(
     self,
@@ -382,7 +389,8 @@ class Engine:
     t_start = time.perf_counter()
     if self._live is not None and not self._live.done:
       raise RuntimeError(
-        "a generation is still running on this engine; finish it first"
+        "a generation is still running on this engine; finish it (its "
+        "run() or step()) or abandon() it first"
       )
     records, salt = self._records(prompts, max_new_tokens, n, prefix_caching)
     v = self.model_config.vocab_size
@@ -458,8 +466,10 @@ class Engine:
           f"prompts[{i}] has {len(a)} tokens; max_model_len={mml} allows "
           f"at most {mml - 1}"
         )
+      # Past max_model_len - prompt no request can go (it stops there).
+      out = min(outs[i], mml - len(a))
       records.append(
-        dict(input_tok_ids=a.astype(np.int64), output_toks=outs[i], n=n)
+        dict(input_tok_ids=a.astype(np.int64), output_toks=out, n=n)
       )
     records = fan_out(records)
     r = len(records)
@@ -474,7 +484,10 @@ class Generation:
   """One :meth:`Engine.start` call, a step at a time.
 
   Attributes:
-    done: every request has finished (the engine keeps the cache).
+    done: every request has finished (the engine keeps the cache), or
+      the generation was abandoned.
+    abandoned: :meth:`abandon` stopped it (an error or Ctrl-C in
+      :meth:`Engine.generate` does too).
     num_real: requests (prompts times ``n``).
     num_finished: of those, finished.
   """
@@ -538,6 +551,7 @@ class Generation:
     self.blocks_peak = 0
     self.num_finished = 0
     self.done = False
+    self.abandoned = False
     self.t0 = time.perf_counter()
     self.setup_s = 0.0
     self.records = records[: self.num_real]
@@ -559,7 +573,11 @@ class Generation:
         cache verb failed.
     """
     if self.done:
-      raise RuntimeError("the generation is done")
+      raise RuntimeError(
+        "the generation was abandoned"
+        if self.abandoned
+        else "the generation is done"
+      )
     eng, k = self.eng, self.k
     t0 = time.perf_counter()
     plan = _schedule(
@@ -746,6 +764,22 @@ class Generation:
       )
       self.copies += len(src)
     return started
+
+  def abandon(self) -> None:
+    """Stops this generation before it is done, so the engine can start
+    another. The engine's prefix cache is dropped and its KV pool zeroed:
+    the pages this generation wrote may be pages the cache still lists
+    as holding earlier prefixes. A done generation is left as it is."""
+    if self.done:
+      return
+    eng = self.eng
+    cfg = eng.cache_config
+    eng.cache = None
+    eng.pool = fwd.init_pool(eng.model_config, cfg.num_blocks, cfg.block_size)
+    self.done = True
+    self.abandoned = True
+    if eng._live is self:
+      eng._live = None
 
   def run(self, progress: bool = False) -> GenerateResult:
     """Steps until done (a tqdm bar over requests with ``progress``)."""
