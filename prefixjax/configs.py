@@ -51,6 +51,16 @@ def _positive_float(cls: str, name: str, value) -> None:
     raise TypeError(f"{cls}.{name} must be a number, got {value!r}")
   if not (math.isfinite(value) and value > 0):
     raise ValueError(f"{cls}.{name}={value!r} must be finite and > 0")
+  # The roofline computes in float32: 1e-50 would become 0 there.
+  if not _F32_TINY <= value <= _F32_MAX:
+    raise ValueError(
+      f"{cls}.{name}={value!r} must be within float32's normal range "
+      f"[{_F32_TINY:.3g}, {_F32_MAX:.3g}] (the roofline computes in float32)"
+    )
+
+
+_F32_TINY = 2.0**-126  # numpy.finfo(numpy.float32).tiny
+_F32_MAX = (2 - 2.0**-23) * 2.0**127  # numpy.finfo(numpy.float32).max
 
 
 def _name_field(cls: str, value) -> None:

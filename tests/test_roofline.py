@@ -383,6 +383,8 @@ def test_model_config_validation(field, value, error):
     ("matmul_efficiency", 0.0, ValueError),
     ("bandwidth_efficiency", 1.5, ValueError),
     ("matmul_efficiency", None, TypeError),
+    ("peak_flops", 1e-50, ValueError),  # 0 in the float32 roofline
+    ("hbm_bandwidth", 1e39, ValueError),  # inf there
   ],
 )
 def test_hardware_config_validation(field, value, error):

@@ -201,6 +201,34 @@ def test_bad_clock_arguments(kw, match):
     serving.simulate(records, config, **kw)
 
 
+@pytest.mark.parametrize(
+  "semantics, bad", [("vllm", float("nan")), ("sglang", -1e-3)]
+)
+def test_a_bad_step_time_stops_the_run_with_a_status(rng, semantics, bad):
+  """A user's clock that gives NaN, a negative or an infinite time stops
+  the run at that step with status BAD_STEP_TIME (the clock does not
+  move), not metrics computed from garbage times."""
+  records = _records(rng, n=6)
+  config = ServingConfig(
+    num_gpu_blocks=200,
+    block_size=4,
+    max_num_seqs=2,
+    max_num_batched_tokens=48,
+    max_model_len=128,
+    semantics=semantics,
+  )
+  limit = int(rng.integers(2, 30))  # the first step past it is bad
+
+  def fn(n, c):
+    del c
+    return jnp.where(jnp.sum(n) > limit, jnp.float32(bad), jnp.float32(1e-3))
+
+  got = serving.simulate(records, config, arrivals="trace", clock=fn)
+  assert got.status == "BAD_STEP_TIME" and not got.ok
+  new = [sum(x for _, x in s["sched"]) for s in got.steps()]
+  assert new[-1] > limit and all(x <= limit for x in new[:-1]), new
+
+
 def _held_at_last_step(n_tokens, block_size):
   """Blocks in use and unused slots in the last step of one request whose
   prompt is ``n_tokens - 1`` tokens and which samples 2 tokens (so it

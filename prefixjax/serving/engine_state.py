@@ -62,6 +62,7 @@ class SimStatus(enum.IntEnum):
   STALLED = 1
   CACHE_ERROR = 2
   OUT_OF_STEPS = 3
+  BAD_STEP_TIME = 4  # the clock gave a step time not finite or negative
 
 
 @struct.dataclass

@@ -105,6 +105,7 @@ class Status:
   OUT_OF_MEMORY = 1  # a prefill or decode allocation did not fit
   STUCK = 2  # nothing runs and a waiting request never fits
   STEP_ROWS = 4  # more steps than the step buffer has rows
+  BAD_STEP_TIME = 8  # the clock gave a step time not finite or negative
 
 
 class Config(NamedTuple):
@@ -1130,10 +1131,15 @@ def _close(s: State, c: Consts, cfg: Config, clock, prefill: bool) -> State:
   }
   s = s._replace(cur=dict(cur, rec=rec), row=s.row + 1, step=s.step + 1)
   if clock is not None:
-    frac = s.time_frac + dt_s * 1e3
+    # A step time that is NaN, infinite or negative stops the run with a
+    # status; the clock does not move (a NaN cast to int32 is garbage).
+    bad = ~(jnp.isfinite(dt_s) & (dt_s >= 0))
+    frac = s.time_frac + jnp.where(bad, 0.0, dt_s * 1e3)
     carry = jnp.floor(frac)
     s = s._replace(
-      time_ms=s.time_ms + carry.astype(jnp.int32), time_frac=frac - carry
+      time_ms=s.time_ms + carry.astype(jnp.int32),
+      time_frac=frac - carry,
+      status=s.status | jnp.where(bad, Status.BAD_STEP_TIME, 0),
     )
   return s
 

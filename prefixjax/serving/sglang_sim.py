@@ -36,6 +36,7 @@ _STATUS = {
   eng.Status.STEP_ROWS: "OUT_OF_STEPS",
   eng.Status.OUT_OF_MEMORY: "OUT_OF_MEMORY",
   eng.Status.STUCK: "STALLED",
+  eng.Status.BAD_STEP_TIME: "BAD_STEP_TIME",
 }
 
 
@@ -246,7 +247,13 @@ def simulate_sglang_batch(
 
 
 def _status_name(status: int) -> str:
-  for bit in (eng.Status.OUT_OF_MEMORY, eng.Status.STUCK, eng.Status.STEP_ROWS):
+  bits = (
+    eng.Status.BAD_STEP_TIME,
+    eng.Status.OUT_OF_MEMORY,
+    eng.Status.STUCK,
+    eng.Status.STEP_ROWS,
+  )
+  for bit in bits:
     if status & bit:
       return _STATUS[bit]
   return "OK"

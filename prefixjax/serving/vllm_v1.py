@@ -72,7 +72,9 @@ Policy ``"priority"`` (``create_request_queue``'s heap) changes three rules:
 Failures inside jit are status values (:class:`SimStatus`): a step that
 schedules nothing while requests remain is ``STALLED`` (the oracle raises),
 a cache verb failing other than the modelled ``OUT_OF_BLOCKS`` is
-``CACHE_ERROR``, and running out of step-buffer rows is ``OUT_OF_STEPS``.
+``CACHE_ERROR``, running out of step-buffer rows is ``OUT_OF_STEPS``, and
+a clock giving a step time that is NaN, infinite or negative is
+``BAD_STEP_TIME``.
 
 Dimensions: ``R`` requests, ``S`` = ``max_num_seqs`` (running slots),
 ``M`` = ``ceil(max_model_len / K)`` block-table columns, ``T`` steps.
@@ -932,7 +934,17 @@ def _advance(st, reqs, params, scheduler, clock, max_steps, progress=False):
   stalled = (~ran) & _pending(st) & ~more
   wait = (~ran) & _pending(st) & more  # time passes until an arrival
   if timed:
-    st = _add_ms(st, jnp.where(ran, rec.dt_s * 1e3, 0))
+    # A step time that is NaN, infinite or negative stops the run with
+    # BAD_STEP_TIME; the clock does not move (NaN cast to int32 is garbage).
+    bad = ran & ~(jnp.isfinite(rec.dt_s) & (rec.dt_s >= 0))
+    st = st.replace(
+      error=jnp.where(
+        bad & (st.error == SimStatus.OK),
+        jnp.int32(SimStatus.BAD_STEP_TIME),
+        st.error,
+      )
+    )
+    st = _add_ms(st, jnp.where(ran & ~bad, rec.dt_s * 1e3, 0))
     st = _to_next_arrival(st, reqs, timed, wait)
     wait = jnp.bool_(False)
   if progress:
