@@ -229,6 +229,25 @@ def test_a_bad_step_time_stops_the_run_with_a_status(rng, semantics, bad):
   assert new[-1] > limit and all(x <= limit for x in new[:-1]), new
 
 
+def test_a_clock_of_the_wrong_shape_or_kind_is_refused():
+  records = [dict(input_tok_ids=[1, 2, 3], output_toks=2)]
+  config = ServingConfig(
+    num_gpu_blocks=40,
+    block_size=4,
+    max_num_seqs=2,
+    max_num_batched_tokens=64,
+    max_model_len=64,
+  )
+  with pytest.raises(TypeError, match=r"one number of seconds.*shape \(2,\)"):
+    serving.simulate(records, config, clock=lambda n, c: n.astype(jnp.float32))
+
+  class NotAClock:
+    step_time_s = 3
+
+  with pytest.raises(TypeError, match="clock.step_time_s must be a method"):
+    serving.simulate(records, config, clock=NotAClock())
+
+
 def _held_at_last_step(n_tokens, block_size):
   """Blocks in use and unused slots in the last step of one request whose
   prompt is ``n_tokens - 1`` tokens and which samples 2 tokens (so it

@@ -262,3 +262,16 @@ class FunctionClock:
 
   def step_time_s(self, new_tokens, context_tokens) -> jax.Array:
     return jnp.asarray(self.fn(new_tokens, context_tokens), jnp.float32)
+
+
+def clock_seconds(clock, new_tokens, context_tokens) -> jax.Array:
+  """``clock.step_time_s(new, context)`` as a float32 scalar; a clock that
+  returns anything but one number is refused when the loop is traced."""
+  dt = clock.step_time_s(new_tokens, context_tokens)
+  shape = jnp.shape(dt)
+  if shape != ():
+    raise TypeError(
+      f"the clock's step time must be one number of seconds per step, got "
+      f"shape {shape} (from {clock!r})"
+    )
+  return jnp.asarray(dt, jnp.float32)

@@ -60,6 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from prefixjax.serving import roofline
 from prefixjax.serving.sglang_tree import (
   IN_BATCH,
   Consts,
@@ -1102,7 +1103,7 @@ def _close(s: State, c: Consts, cfg: Config, clock, prefill: bool) -> State:
     dt_s = jnp.float32(0)
   else:
     ctx = jnp.where(lanes, cur["ctx"], 0)
-    dt_s = jnp.asarray(clock.step_time_s(new, ctx), jnp.float32)
+    dt_s = roofline.clock_seconds(clock, new, ctx)
   tokens = jnp.sum(new, dtype=jnp.int32)
   holding = q.running | (q.in_batch & (q.finish < 0))
   rec = dict(

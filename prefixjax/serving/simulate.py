@@ -326,6 +326,11 @@ def _clock(clock, model, hardware):
   if model is not None or hardware is not None:
     raise ValueError("model= and hardware= go with clock='roofline' only")
   if hasattr(clock, "step_time_s"):
+    if not callable(clock.step_time_s):
+      raise TypeError(
+        f"clock.step_time_s must be a method (new_tokens, context_tokens) -> "
+        f"seconds, got {clock.step_time_s!r}"
+      )
     return clock
   if callable(clock):
     return roofline.FunctionClock(clock)

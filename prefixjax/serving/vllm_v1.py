@@ -90,6 +90,7 @@ import jax.numpy as jnp
 from prefixjax._masked import NONE, gather, get_row, scatter
 from prefixjax.cache import Status
 from prefixjax.cache import prefix_cache as pc
+from prefixjax.serving import roofline
 from prefixjax.serving import schedulers as sch
 from prefixjax.serving.engine_ops import (
   OK,
@@ -647,7 +648,7 @@ def complete(
     dt_s = jnp.float32(0)
   else:
     context = jnp.where(lanes, gather(st.num_computed, rids, 0) - new, 0)
-    dt_s = jnp.asarray(clock.step_time_s(new, context), jnp.float32)
+    dt_s = roofline.clock_seconds(clock, new, context)
   free_blocks = st.cache.paging.num_free
   k = st.cache.block_size
   run_lanes = jnp.arange(s) < st.num_running
