@@ -85,7 +85,9 @@ def copy_blocks_reference(
 ) -> tuple[jax.Array, jax.Array]:
   """Plain-``jnp`` page copy (same contract as the kernel)."""
   num_pages = k_pages.shape[1]
-  keep = (src >= 0) & (dst >= 0)
+  # A pair src == dst is a no-op (the contract); dropping it keeps one
+  # write per destination, so the result does not depend on pair order.
+  keep = (src >= 0) & (dst >= 0) & (src != dst)
   dst = jnp.where(keep, dst, num_pages)  # Out of range: dropped.
   src = jnp.where(keep, src, 0)
 

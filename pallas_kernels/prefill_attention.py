@@ -31,6 +31,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pallas_kernels import _common
@@ -261,9 +262,11 @@ def prefill_attention(
   _common.check_int_array(
     "cu_q_lengths", cu_q_lengths, (num_seqs + 1,), "S + 1 offsets"
   )
-  if not isinstance(block_q, int) or block_q < 1:
+  if isinstance(block_q, np.integer):
+    block_q = int(block_q)
+  if isinstance(block_q, bool) or not isinstance(block_q, int) or block_q < 1:
     raise ValueError(f"block_q={block_q!r} must be a positive int.")
-  if _common.is_concrete(cu_q_lengths) and _common.is_concrete(kv_lengths):
+  if _common.is_concrete(cu_q_lengths):  # needs no kv_lengths
     cu = _common.host(cu_q_lengths)
     q_lengths = cu[1:] - cu[:-1]
     if cu[0] != 0 or (q_lengths < 0).any() or cu[-1] > num_tokens:
@@ -271,6 +274,7 @@ def prefill_attention(
         f"cu_q_lengths={cu.tolist()} must start at 0, be non-decreasing and "
         f"end at <= T={num_tokens}."
       )
+  if _common.is_concrete(cu_q_lengths) and _common.is_concrete(kv_lengths):
     kv = _common.host(kv_lengths)
     if (q_lengths > kv).any():
       raise ValueError(

@@ -288,3 +288,27 @@ def test_traced_values_skip_concrete_checks():
 
   out = run(jnp.array([[1, 2], [3, 0]], I32))
   assert np.isfinite(np.asarray(out)).all()
+
+
+def test_concrete_offsets_are_checked_when_the_lengths_are_traced():
+  """cu_q_lengths' own rule needs no kv_lengths: a concrete bad offset is
+  refused even when kv_lengths is a tracer (it ran with shifted rows)."""
+
+  cu = jnp.array([1, 3, 2], I32)  # concrete: made outside the trace
+
+  @jax.jit
+  def run(kv):
+    return pk.prefill_attention(
+      **prefill_args(kv_lengths=kv, cu_q_lengths=cu), backend="reference"
+    )
+
+  with pytest.raises(ValueError, match="must start at 0, be non-decreasing"):
+    run(jnp.array([12, 2], I32))
+
+
+@pytest.mark.parametrize("interpret", [0, "yes", 1.0])
+def test_interpret_must_be_a_bool_or_params(interpret):
+  with pytest.raises(TypeError, match="must be a bool, None or an interpret"):
+    pk.paged_attention(
+      **decode_args(), backend="pallas_tpu", interpret=interpret
+    )

@@ -55,6 +55,25 @@ def test_copy_blocks_copies_pages_and_skips_padding(rng, backend, dtype):
     np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), expected)
 
 
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_a_self_copy_pair_is_a_no_op_in_any_order(rng, backend):
+  """``(b, b)`` beside ``(a, b)``: page ``b`` gets ``a``'s rows whichever
+  pair comes first (the reference wrote ``b`` twice, in order)."""
+  k, v = random_pool(rng, 1, 6, 4, 32)
+  a, b = (int(x) for x in rng.choice(np.arange(1, 6), 2, replace=False))
+  for src, dst in (([a, b], [b, b]), ([b, a], [b, b])):
+    k_out, _ = pk.copy_blocks(
+      jnp.asarray(k),
+      jnp.asarray(v),
+      jnp.asarray(src, jnp.int32),
+      jnp.asarray(dst, jnp.int32),
+      **kwargs_for(backend),
+    )
+    expected = k.copy()
+    expected[:, b] = k[:, a]
+    np.testing.assert_array_equal(np.asarray(k_out), expected)
+
+
 def test_copy_blocks_with_no_pairs_returns_pools(rng):
   k, v = random_pool(rng, 1, 3, 8, 32)
   empty = jnp.zeros((0,), jnp.int32)
