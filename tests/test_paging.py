@@ -92,6 +92,14 @@ def test_verbs_reject_bad_arguments_at_the_boundary():
     checked.fork(state, 0, state.max_seqs)
   with pytest.raises(TypeError, match="num_tokens=None must be an integer"):
     checked.allocate(state, 0, None)
+  # ... and so are arrays of ids and positions (int64 2**32 + 1 wrapped to 1).
+  wide = np.array([2**32 + 1], np.int64)
+  with pytest.raises(ValueError, match=r"positions\[0\]=4294967297 does not"):
+    checked.slot_mapping(state, np.array([0]), wide)
+  with pytest.raises(ValueError, match=r"seq_ids\[0\]=4294967297 does not"):
+    checked.slot_mapping(state, wide, np.array([1]))
+  with pytest.raises(ValueError, match=r"seq_ids\[0\]=4294967297 is out"):
+    checked.batch_view(state, wide)
 
 
 def test_traced_bad_values_become_status_and_state_is_unchanged():

@@ -510,16 +510,24 @@ def test_missing_keys_are_refused_never_padded(rng):
   num_tokens = full * K + int(rng.integers(0, K))
   keys = _prompt_keys(rng, num_tokens)
   short = keys[: int(rng.integers(0, full))]
-  for verb, args in (
-    (checked.match, (s, short, num_tokens)),
-    (checked.allocate_with_prefix, (s, 0, short, num_tokens)),
-  ):
-    with pytest.raises(ValueError, match=f"{full} full blocks of {K} tokens"):
-      verb(*args)
+  for count in (num_tokens, np.int32(num_tokens), jnp.int32(num_tokens)):
+    for verb, args in (  # a jax scalar count was not checked
+      (checked.match, (s, short, count)),
+      (checked.allocate_with_prefix, (s, 0, short, count)),
+    ):
+      with pytest.raises(ValueError, match=f"{full} full blocks of {K} tok"):
+        verb(*args)
+  # uint64 keys would be cut to uint32 by the cast (x64 off): refused.
+  with pytest.raises(ValueError, match="must be uint32 of shape"):
+    checked.match(s, np.asarray(keys, np.uint64) + 2**32, num_tokens)
   s, r = checked.allocate_with_prefix(s, 0, keys, num_tokens)
   assert int(r.status) == paging.Status.OK
   with pytest.raises(ValueError, match=f"has {full} full blocks"):
     checked.publish(s, 0, short, num_tokens)
+  with pytest.raises(ValueError, match=f"has {full} full blocks"):
+    checked.publish(s, jnp.int32(0), short, jnp.int32(num_tokens))
+  with pytest.raises(ValueError, match="only blocks it holds"):
+    checked.publish(s, jnp.int32(0), keys, jnp.int32(num_tokens + K))
   s, r = checked.publish(s, 0, keys, num_tokens)
   assert int(r.status) == paging.Status.OK
   zeros = jnp.zeros((M, 2), jnp.uint32)

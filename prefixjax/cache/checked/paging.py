@@ -153,16 +153,29 @@ def release(
   )
 
 
+def as_int32_array(name: str, value) -> jax.Array:
+  """A 1-D integer array as int32; concrete values are checked to fit
+  int32 on the host before the cast (an int64 ``2**32 + 1`` would wrap to
+  1). Negative values stay: the verbs read them as padding."""
+  host = _concrete(value)
+  arr = jnp.asarray(value) if host is None else host
+  if arr.ndim != 1:
+    raise ValueError(f"{name} must be 1-D [T], got shape {arr.shape}")
+  if arr.dtype == bool or not jnp.issubdtype(arr.dtype, jnp.integer):
+    raise TypeError(f"{name} must be integer, got dtype {arr.dtype}")
+  if host is not None and host.size:
+    bad = (host < -(2**31)) | (host >= 2**31)
+    if bad.any():
+      i = int(np.flatnonzero(bad)[0])
+      raise ValueError(f"{name}[{i}]={int(host[i])} does not fit in int32")
+  return jnp.asarray(arr, jnp.int32)
+
+
 def slot_mapping(state: PagingState, seq_ids, positions) -> jax.Array:
   """Checked :func:`prefixjax.cache.paging.slot_mapping`."""
   check_state(state)
-  seq_ids = jnp.asarray(seq_ids)
-  positions = jnp.asarray(positions)
-  for name, arr in (("seq_ids", seq_ids), ("positions", positions)):
-    if arr.ndim != 1:
-      raise ValueError(f"{name} must be 1-D [T], got shape {arr.shape}")
-    if not jnp.issubdtype(arr.dtype, jnp.integer):
-      raise TypeError(f"{name} must be integer, got dtype {arr.dtype}")
+  seq_ids = as_int32_array("seq_ids", seq_ids)
+  positions = as_int32_array("positions", positions)
   if seq_ids.shape != positions.shape:
     raise ValueError(
       f"seq_ids shape {seq_ids.shape} != positions shape {positions.shape}"
@@ -175,17 +188,17 @@ def slot_mapping(state: PagingState, seq_ids, positions) -> jax.Array:
 def batch_view(state: PagingState, seq_ids) -> BatchView:
   """Checked :func:`prefixjax.cache.paging.batch_view`."""
   check_state(state)
-  seq_ids = jnp.asarray(seq_ids)
-  if seq_ids.ndim != 1 or not jnp.issubdtype(seq_ids.dtype, jnp.integer):
+  host = _concrete(seq_ids)
+  arr = jnp.asarray(seq_ids) if host is None else host
+  if arr.ndim != 1 or not jnp.issubdtype(arr.dtype, jnp.integer):
     raise ValueError(
-      f"seq_ids must be a 1-D integer array, got {seq_ids.shape} "
-      f"{seq_ids.dtype}"
+      f"seq_ids must be a 1-D integer array, got {arr.shape} {arr.dtype}"
     )
-  ids = np.asarray(seq_ids)
-  bad = (ids < 0) | (ids >= state.max_seqs)
-  if bad.any():
-    raise ValueError(
-      f"seq_ids[{int(np.argmax(bad))}]={int(ids[bad][0])} is outside "
-      f"[0, {state.max_seqs}) (max_seqs={state.max_seqs})"
-    )
-  return paging.batch_view(state, seq_ids.astype(jnp.int32))
+  if host is not None:
+    bad = (host < 0) | (host >= state.max_seqs)
+    if bad.any():
+      raise ValueError(
+        f"seq_ids[{int(np.argmax(bad))}]={int(host[bad][0])} is outside "
+        f"[0, {state.max_seqs}) (max_seqs={state.max_seqs})"
+      )
+  return paging.batch_view(state, jnp.asarray(arr, jnp.int32))

@@ -14,7 +14,12 @@ import numpy as np
 
 from prefixjax.cache import policies as policies_lib
 from prefixjax.cache import prefix_cache
-from prefixjax.cache.checked.paging import as_index, as_sequence
+from prefixjax.cache.checked.paging import (
+  _concrete,
+  _index,
+  as_index,
+  as_sequence,
+)
 from prefixjax.cache.prefix_cache import PrefixCacheState, check_state
 
 __all__ = [
@@ -41,18 +46,21 @@ def keys_arg(
   that fits the table (``min(num_tokens // K, M)`` rows): a missing key is
   refused here, never padded into a key that could hit or be published.
   """
-  keys = jnp.asarray(block_keys)
-  if keys.ndim != 2 or keys.shape[-1] != 2 or keys.dtype != jnp.uint32:
+  host = _concrete(block_keys)  # its dtype before any cast (uint64 wraps)
+  keys = jnp.asarray(block_keys) if host is None else host
+  if keys.ndim != 2 or keys.shape[-1] != 2 or keys.dtype != np.uint32:
     raise ValueError(
       f"block_keys must be uint32 of shape [L, 2], got {keys.shape} "
       f"{keys.dtype}"
     )
+  keys = jnp.asarray(keys)
   m = state.max_blocks_per_seq
-  if num_tokens is not None and isinstance(num_tokens, int | np.integer):
-    need = min(int(num_tokens) // state.block_size, m)
+  tokens = None if num_tokens is None else _index(what, num_tokens)[1]
+  if tokens is not None:  # concrete (a Python, numpy or jax scalar)
+    need = min(tokens // state.block_size, m)
     if keys.shape[0] < need:
       raise ValueError(
-        f"block_keys has {keys.shape[0]} rows but {what}={int(num_tokens)} "
+        f"block_keys has {keys.shape[0]} rows but {what}={tokens} "
         f"has {need} full blocks of {state.block_size} tokens: every full "
         "block needs its key"
       )
@@ -135,16 +143,15 @@ def publish(
   """
   check_state(state)
   seq = as_sequence(state, "seq_id", seq_id)
-  if isinstance(num_tokens, int | np.integer) and isinstance(
-    seq_id, int | np.integer
-  ):
-    if 0 <= seq_id < state.max_seqs:
-      held = int(jax.device_get(state.paging.num_tokens)[seq_id])
-      if num_tokens > held:
-        raise ValueError(
-          f"num_tokens={int(num_tokens)} but sequence {int(seq_id)} holds "
-          f"{held} tokens: only blocks it holds can be published"
-        )
+  seq_host = _index("seq_id", seq_id)[1]
+  tokens = _index("num_tokens", num_tokens)[1]
+  if tokens is not None and seq_host is not None:  # both concrete
+    held = _concrete(state.paging.num_tokens)
+    if held is not None and tokens > int(held[seq_host]):
+      raise ValueError(
+        f"num_tokens={tokens} but sequence {seq_host} holds "
+        f"{int(held[seq_host])} tokens: only blocks it holds can be published"
+      )
   return prefix_cache.publish(
     state,
     seq,
