@@ -545,3 +545,36 @@ step_time_ms = 10.0
     for key in ("token_hit_rate", "imbalance", "ttft_s_p99", "finished"):
       assert row[key] == direct[key], key
   assert list((tmp_path / "out" / "plots").glob("routers_w.png"))
+
+
+def test_a_user_router_picking_no_replica_stops_the_run_with_a_status(rng):
+  """A pick outside [0, replicas) used to be clipped to the nearest
+  replica (7 -> 2, -1 -> 0) with status OK."""
+  from prefixjax.routing import Router
+
+  trace = _trace(rng, n=12)
+  late = int(rng.integers(1, 12))  # the routed request that gets a bad pick
+
+  def pick(state, view, rid):
+    del state, view
+    return jnp.where(rid == late, jnp.int32(7), rid % 3).astype(jnp.int32)
+
+  res = simulate_cluster(
+    trace,
+    CONFIG,
+    replicas=3,
+    router=Router("bad", pick),
+    arrivals="trace",
+    step_time_ms=10.0,
+  )
+  assert res.status == "BAD_ROUTE"
+  # Requests are routed in arrival order: those before `late` were.
+  order = np.argsort(np.asarray(trace.arrival_times_s), kind="stable")
+  before = order[: int(np.flatnonzero(order == late)[0])]
+  assert sorted(np.flatnonzero(res.route >= 0)) == sorted(before)
+
+  def float_pick(state, view, rid):
+    return jnp.float32(1.7)
+
+  with pytest.raises(TypeError, match="pick must return one integer"):
+    simulate_cluster(trace, CONFIG, replicas=3, router=Router("f", float_pick))

@@ -206,8 +206,10 @@ def _route_arrivals(cs, reqs, params, router, scheduler, mode):
 
   def due(cs):
     rid = gather(reqs.arrival_order, cs.num_arrived[None], NONE)[0]
-    return (cs.num_arrived < r_len) & (
-      gather(reqs.arrival_step, rid[None], 0)[0] <= cs.step
+    return (
+      (cs.num_arrived < r_len)
+      & (gather(reqs.arrival_step, rid[None], 0)[0] <= cs.step)
+      & (cs.error == vllm_v1.SimStatus.OK)
     )
 
   def body(cs):
@@ -217,8 +219,20 @@ def _route_arrivals(cs, reqs, params, router, scheduler, mode):
     view = route_view(
       cs, reqs, params, rid, mode, None if cap is None else cap // k
     )
-    replica = jnp.clip(router.pick(cs.router, view, rid), 0, p - 1)
-    replica = replica.astype(jnp.int32)
+    pick = router.pick(cs.router, view, rid)
+    dtype = jnp.result_type(pick)
+    if jnp.shape(pick) != () or dtype == bool or not jnp.issubdtype(
+      dtype, jnp.integer
+    ):
+      raise TypeError(
+        f"router {router.name!r}: pick must return one integer replica id, "
+        f"got shape {jnp.shape(pick)} dtype {dtype}"
+      )
+    # A replica that does not exist stops the run with BAD_ROUTE (the
+    # request is not routed), never a clipped guess.
+    bad = ok & ((pick < 0) | (pick >= p))
+    replica = jnp.clip(pick, 0, p - 1).astype(jnp.int32)
+    ok = ok & ~bad
     lanes = (jnp.arange(p) == replica) & ok
     reps = jax.vmap(lambda st, q: enqueue(st, reqs, scheduler, rid, q))(
       cs.replicas, lanes
@@ -230,7 +244,12 @@ def _route_arrivals(cs, reqs, params, router, scheduler, mode):
         lambda a, b: jnp.where(ok, a, b), new_router, cs.router
       ),
       route=cs.route.at[rid].set(jnp.where(ok, replica, cs.route[rid])),
-      num_arrived=cs.num_arrived + 1,
+      num_arrived=cs.num_arrived + jnp.where(bad, 0, 1),
+      error=jnp.where(
+        bad & (cs.error == vllm_v1.SimStatus.OK),
+        jnp.int32(vllm_v1.SimStatus.BAD_ROUTE),
+        cs.error,
+      ),
     )
     if mode == "approximate":
       cs = _remember(cs, replica, reqs.keys[rid], reqs.prompt_len[rid], k, ok)

@@ -63,6 +63,7 @@ class SimStatus(enum.IntEnum):
   CACHE_ERROR = 2
   OUT_OF_STEPS = 3
   BAD_STEP_TIME = 4  # the clock gave a step time not finite or negative
+  BAD_ROUTE = 5  # a cluster's router picked a replica that does not exist
 
 
 @struct.dataclass
