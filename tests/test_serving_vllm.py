@@ -591,6 +591,8 @@ def test_fcfs_reports_priorities_and_ignores_them(rng):
     (dict(step_time_ms="10"), "step_time_ms='10' must be a number"),
     (dict(seed=1.5), "seed=1.5 must be an int"),
     (dict(seed=None), "seed=None must be an int"),
+    (dict(seed=[3, 4]), r"seed=\[3, 4\] must be one value"),  # was used
+    (dict(step_time_ms=[10.0]), "step_time_ms=.*must be one value"),
     (dict(max_steps=1.5), "max_steps=1.5 must be an int"),
     (dict(progress="yes"), "progress='yes' must be True or False"),
   ],
@@ -599,7 +601,8 @@ def test_bad_argument_types_are_refused(kw, match):
   records = [dict(input_tok_ids=[1, 2, 3], output_toks=2)]
   with pytest.raises(TypeError, match=match):
     serving.simulate(records, _config(), **kw)
-  if "progress" not in kw:
+  # simulate_batch takes a value per configuration (then a list is right)
+  if "progress" not in kw and not any(isinstance(v, list) for v in kw.values()):
     with pytest.raises(TypeError, match=match):
       serving.simulate_batch(records, [_config()], **kw)
 

@@ -221,8 +221,10 @@ def _route_arrivals(cs, reqs, params, router, scheduler, mode):
     )
     pick = router.pick(cs.router, view, rid)
     dtype = jnp.result_type(pick)
-    if jnp.shape(pick) != () or dtype == bool or not jnp.issubdtype(
-      dtype, jnp.integer
+    if (
+      jnp.shape(pick) != ()
+      or dtype == jnp.bool_
+      or not jnp.issubdtype(dtype, jnp.integer)
     ):
       raise TypeError(
         f"router {router.name!r}: pick must return one integer replica id, "

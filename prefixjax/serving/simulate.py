@@ -1032,25 +1032,38 @@ _STATIC = (
 
 
 def check_run_arguments(
-  *, step_time_ms=None, rate=None, seed=0, max_steps=None, progress=False
+  *,
+  step_time_ms=None,
+  rate=None,
+  seed=0,
+  max_steps=None,
+  progress=False,
+  per_config=False,
 ) -> None:
   """The run arguments :func:`simulate`, :func:`simulate_batch` and
   :func:`prefixjax.routing.simulate_cluster` share, checked before any
-  work (``step_time_ms``, ``rate``, ``seed``: a value or a sequence of
-  them)."""
+  work (``step_time_ms``, ``rate``, ``seed``: one value, or with
+  ``per_config`` (:func:`simulate_batch`) a value or a sequence of them)."""
 
-  def each(value):
-    return value if isinstance(value, (list, tuple, np.ndarray)) else [value]
+  def each(name, value):
+    if isinstance(value, (list, tuple, np.ndarray)):
+      if per_config:
+        return value
+      raise TypeError(
+        f"{name}={value!r} must be one value (a value per configuration "
+        "is simulate_batch's)"
+      )
+    return [value]
 
   for name, values in (("step_time_ms", step_time_ms), ("rate", rate)):
-    for v in each(values):
+    for v in each(name, values):
       if v is None:
         continue
       if isinstance(v, bool) or not isinstance(v, (int, float, np.number)):
         raise TypeError(f"{name}={v!r} must be a number")
       if not (math.isfinite(v) and v > 0):
         raise ValueError(f"{name}={v!r} must be a finite number > 0")
-  for v in each(seed):
+  for v in each("seed", seed):
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
       raise TypeError(f"seed={v!r} must be an int")
     if v < 0:
@@ -1155,7 +1168,11 @@ def simulate_batch(
       )
   n = len(configs)
   check_run_arguments(
-    step_time_ms=step_time_ms, rate=rate, seed=seed, max_steps=max_steps
+    step_time_ms=step_time_ms,
+    rate=rate,
+    seed=seed,
+    max_steps=max_steps,
+    per_config=True,
   )
   records = _check_records(trace)
   points = list(
