@@ -578,3 +578,12 @@ def test_a_user_router_picking_no_replica_stops_the_run_with_a_status(rng):
 
   with pytest.raises(TypeError, match="pick must return one integer"):
     simulate_cluster(trace, CONFIG, replicas=3, router=Router("f", float_pick))
+
+
+def test_session_affinity_without_sessions_is_refused(rng):
+  """Every request used to become client 0, all on one replica."""
+  records = serving.records_from_trace(_trace(rng, n=8))
+  for rec in records:
+    rec.pop("client", None)
+  with pytest.raises(ValueError, match="routes by session, and no request"):
+    simulate_cluster(records, CONFIG, replicas=2, router="session_affinity")

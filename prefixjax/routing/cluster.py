@@ -622,6 +622,14 @@ def simulate_cluster(
         f"replicas={p} must be a multiple of the {len(devices)} devices"
       )
   records = prepare_records(trace)
+  if router.name == "session_affinity" and not any(
+    "client" in rec for rec in records
+  ):
+    raise ValueError(
+      "router='session_affinity' routes by session, and no request has one "
+      "(a trace's session_ids, records' client): every request would go to "
+      "one replica"
+    )
   state, reqs, params, scheduler = build_inputs(
     records, config, arrivals, step_time_ms, rate, seed
   )
