@@ -587,3 +587,33 @@ def test_session_affinity_without_sessions_is_refused(rng):
     rec.pop("client", None)
   with pytest.raises(ValueError, match="routes by session, and no request"):
     simulate_cluster(records, CONFIG, replicas=2, router="session_affinity")
+
+
+@pytest.mark.parametrize(
+  "name, params, match",
+  [
+    ("llm_d", dict(queue_weight=float("nan")), "queue_weight=nan must be fin"),
+    ("kv_cost", dict(prefill_scale=float("inf")), "prefill_scale=inf must be"),
+    ("cache_aware", dict(cache_threshold="0.3"), "must be a number"),
+    ("e2", dict(window_steps=2.5), "window_steps=2.5 must be an int"),
+    ("session_affinity", dict(virtual_nodes=True), "must be an int"),
+  ],
+)
+def test_router_parameters_are_checked_when_built(name, params, match):
+  """NaN weights sent every request to replica 0 (argmax over NaN); a
+  string or a float count failed inside the trace."""
+  with pytest.raises(ValueError, match=match):
+    get_router(name, **params)
+
+
+def test_a_registered_factory_must_build_a_router(monkeypatch):
+  from prefixjax.routing import register_router
+  from prefixjax.routing import routers as rt
+
+  # A copy of the registry for this test: other tests list every name.
+  monkeypatch.setattr(rt, "_REGISTRY", dict(rt._REGISTRY))
+  with pytest.raises(TypeError, match="must be callable"):
+    register_router("five", 5)
+  register_router("not_a_router", lambda: lambda *a: 0, overwrite=True)
+  with pytest.raises(TypeError, match="returned function, not a Router"):
+    get_router("not_a_router")

@@ -27,11 +27,13 @@ KV router), ``e2`` (Preble), ``session_affinity`` (consistent hashing),
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = [
   "ApproxView",
@@ -126,6 +128,19 @@ class Router(NamedTuple):
   view: ApproxView = ApproxView()
 
 
+def _check(router: str, **params) -> None:
+  """Refuses a factory parameter that is not a finite real number (and,
+  for the integer ones, not an int >= 1), naming the router."""
+  for name, value in params.items():
+    integer = name in ("window_steps", "virtual_nodes", "balance_abs_threshold")
+    kinds = (int, np.integer) if integer else (int, float, np.number)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+      what = "an int" if integer else "a number"
+      raise ValueError(f"{router} {name}={value!r} must be {what}")
+    if not math.isfinite(value):
+      raise ValueError(f"{router} {name}={value!r} must be finite")
+
+
 def _first_min(x: jax.Array) -> jax.Array:
   """Index of the smallest entry, the lowest index among equals."""
   return jnp.argmin(x).astype(jnp.int32)
@@ -193,6 +208,12 @@ def cache_aware(
   60``): here an LRU of ``2**26`` tokens of block hashes, pruned at once.
   The gateway matches characters; this view matches whole blocks.
   """
+  _check(
+    "cache_aware",
+    balance_abs_threshold=balance_abs_threshold,
+    balance_rel_threshold=balance_rel_threshold,
+    cache_threshold=cache_threshold,
+  )
 
   def pick(state, view, rid):
     del state, rid
@@ -236,6 +257,12 @@ def kv_cost(
   ``lib/llm/src/kv_router``): ttl 120 s, an LRU of ``2**20`` blocks of 16
   tokens.
   """
+  _check(
+    "kv_cost",
+    prefill_scale=prefill_scale,
+    overlap_credit=overlap_credit,
+    temperature=temperature,
+  )
   if not temperature >= 0:
     raise ValueError(f"kv_cost temperature={temperature} must be >= 0")
 
@@ -278,6 +305,7 @@ def e2(window_steps: int = 64) -> Router:
   from it as the GPUs do, which a router cannot see: here an unbounded
   LRU of routed block hashes.
   """
+  _check("e2", window_steps=window_steps)
   if window_steps < 1:
     raise ValueError(f"e2 window_steps={window_steps} must be >= 1")
 
@@ -334,6 +362,7 @@ def session_affinity(virtual_nodes: int = 64) -> Router:
   owns ``virtual_nodes`` points on a 32-bit ring; a session goes to the
   owner of the first point at or after its hash (Karger et al., 1997), so
   a session always reaches the same replica."""
+  _check("session_affinity", virtual_nodes=virtual_nodes)
   if virtual_nodes < 1:
     raise ValueError(f"virtual_nodes={virtual_nodes} must be >= 1")
 
@@ -376,6 +405,12 @@ def llm_d(
   ``DefaultBlockSizeTokens = 16``, ``DefaultMaxPrefixBlocks = 256``): an
   LRU of 31,250 x 16 tokens per replica, matches up to 4,096 tokens.
   """
+  _check(
+    "llm_d",
+    queue_weight=queue_weight,
+    kv_weight=kv_weight,
+    prefix_weight=prefix_weight,
+  )
 
   def pick(state, view, rid):
     del state, rid
@@ -422,6 +457,11 @@ def register_router(
     raise ValueError(f"router name must be a non-empty str, got {name!r}")
   if name in _REGISTRY and not overwrite:
     raise ValueError(f"router {name!r} is registered already")
+  if not callable(factory):
+    raise TypeError(
+      f"router {name!r}: the factory must be callable (params -> Router), "
+      f"got {factory!r}"
+    )
   _REGISTRY[name] = factory
 
 
@@ -443,6 +483,12 @@ def get_router(name: str | Router, **params) -> Router:
   if name not in _REGISTRY:
     raise ValueError(f"unknown router {name!r}; known: {router_names()}")
   try:
-    return _REGISTRY[name](**params)
+    router = _REGISTRY[name](**params)
   except TypeError as e:
     raise ValueError(f"router {name!r}: {e}") from None
+  if not isinstance(router, Router):
+    raise TypeError(
+      f"router {name!r}: its factory returned {type(router).__name__}, not "
+      "a Router"
+    )
+  return router
