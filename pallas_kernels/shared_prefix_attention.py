@@ -24,8 +24,9 @@ so no page is loaded); a group of one is ordinary paged attention.
 it is the largest group rounded up to a power of two (so a serving loop
 compiles a handful of shapes); when ``group_of`` is traced it defaults to
 ``B`` (always correct, wasteful in compute). Inside ``jit`` pass it
-explicitly: members past ``max_group_size`` cannot be detected under tracing
-and would lose their prefix.
+explicitly: members past ``max_group_size`` cannot be refused under tracing,
+so their outputs (and log-sum-exps) are NaN, a visible failure, never
+another member's prefix.
 
 Bytes model: unique prefix pages ``sum_g ceil(prefix_g / K)`` plus suffix
 pages ``sum_b ceil(suffix_b / K)``, K and V, all KV heads; versus naive paged
@@ -216,6 +217,11 @@ def _shared_prefix_attention(
     interpret=interpret,
   )
   o, lse = _common.merge_states(o_prefix, lse_prefix, o_suffix, lse_suffix)
+  # A member past max_group_size (only possible with a traced group_of)
+  # has no prefix rows: NaN, never another member's prefix.
+  over = (rank >= size)[:, None, None, None]
+  o = jnp.where(over, jnp.nan, o)
+  lse = jnp.where(over, jnp.nan, lse)
   return decode_outputs(q, o, lse, return_lse)
 
 

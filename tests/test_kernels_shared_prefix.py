@@ -144,6 +144,30 @@ def test_shared_prefix_under_user_jit_with_static_group_bound(rng, backend):
   assert_close(step(*arrays), o64, 1e-4)
 
 
+@pytest.mark.parametrize("backend", PALLAS_BACKENDS)
+def test_members_past_the_group_bound_under_jit_are_nan(rng, backend):
+  """Group 0 has 3 members and the bound is 2: under jit this cannot be
+  refused, so its third member's row is NaN (it used to get the second
+  member's prefix result, off by up to 0.27); every other row is right."""
+  arrays, (cat_tables, cat_lengths) = make_shared_case(
+    rng, (4, 1, 8, 32), "float32"
+  )
+
+  @jax.jit
+  def step(*arrays):
+    return pk.shared_prefix_attention(
+      *arrays, max_group_size=2, backend=backend, interpret=True
+    )
+
+  o = np.asarray(step(*arrays))
+  group_of = np.asarray(arrays[5])
+  third = int(np.flatnonzero(group_of == 0)[2])
+  assert np.isnan(o[third]).all()
+  o64, _ = np_attention(*arrays[:3], cat_tables, cat_lengths)
+  rest = np.arange(len(group_of)) != third
+  assert_close(o[rest], np.asarray(o64)[rest], 1e-4)
+
+
 def test_shared_prefix_concat_block_tables_helper(rng):
   arrays, (cat_tables, cat_lengths) = make_shared_case(
     rng, (2, 1, 8, 32), "float32"
