@@ -209,4 +209,8 @@ def merge_states(
   o_b = jnp.where(w_b > 0.0, o_b.astype(jnp.float32), 0.0)
   o = (w_a * o_a + w_b * o_b) / total_safe
   lse = jnp.where(nonempty, m_safe + jnp.log(total_safe), -jnp.inf)
-  return o, lse
+  # A NaN or +inf lse is no state at all: NaN out, never "empty" (-inf),
+  # which a later merge would treat as neutral and so hide.
+  bad = jnp.isnan(lse_a) | jnp.isnan(lse_b) | (lse_a == jnp.inf)
+  bad = bad | (lse_b == jnp.inf)
+  return jnp.where(bad, jnp.nan, o), jnp.where(bad, jnp.nan, lse)

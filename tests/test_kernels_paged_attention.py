@@ -208,6 +208,28 @@ def test_merge_ignores_empty_states_even_if_nan(rng, backend):
   assert np.all(np.asarray(lse) == -np.inf)
 
 
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_merge_keeps_a_bad_lse_visible(rng, backend, bad):
+  """A NaN or +inf lse used to come out as -inf, the "empty" marker, so a
+  later merge dropped the NaN as neutral."""
+  o_a = jnp.asarray(rng.standard_normal((3, 4, 32)), jnp.float32)
+  lse_a = jnp.asarray(rng.standard_normal((3, 4)), jnp.float32)
+  row = int(rng.integers(3))
+  lse_bad = lse_a.at[row].set(bad)
+  o, lse = pk.merge_attention_states(
+    o_a, lse_bad, o_a, lse_a, **kwargs_for(backend)
+  )
+  assert np.isnan(np.asarray(lse)[row]).all()
+  assert np.isnan(np.asarray(o)[row]).all()
+  rest = np.arange(3) != row
+  assert np.isfinite(np.asarray(lse)[rest]).all()
+  o2, lse2 = pk.merge_attention_states(
+    o, lse, o_a, lse_a, **kwargs_for(backend)
+  )
+  assert np.isnan(np.asarray(o2)[row]).all()
+
+
 @pytest.mark.parametrize("backend", PALLAS_BACKENDS)
 def test_paged_attention_traces_once_per_shape(rng, backend):
   """New values with the same shapes reuse the compiled kernel."""
