@@ -73,6 +73,13 @@ def test_empty_trace_summary():
       ValueError,
       r"input_lengths\[1\] = -2 is negative",
     ),
+    (  # uint64 past int64 used to wrap and be called negative
+      dict(
+        input_lengths=np.array([1, 2**63], np.uint64), output_lengths=[1, 1]
+      ),
+      ValueError,
+      r"input_lengths\[1\] = 9223372036854775808 does not fit in int64",
+    ),
     (
       dict(input_lengths=[[1, 2]], output_lengths=[1]),
       ValueError,
@@ -183,6 +190,11 @@ def test_merge_orders_by_arrival_and_renumbers_sessions():
   assert merged.output_token_ids is None
   with pytest.raises(ValueError, match="at least one trace"):
     merge_traces([])
+  # Negative session ids of two inputs must not collide either.
+  c = Trace([0.0], [1], [1], session_ids=[-1])
+  d = Trace([1.0], [1], [1], session_ids=[-1])
+  ids = merge_traces([c, d]).session_ids.tolist()
+  assert ids[0] != ids[1], ids
 
 
 def test_block_hash_ids_follow_shared_prefixes(rng):

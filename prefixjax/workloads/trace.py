@@ -49,6 +49,16 @@ def _as_vector(
     raise ValueError(
       f"{name} has {array.shape[0]} entries but the trace has {size} requests"
     )
+  if (
+    array.size
+    and array.dtype.kind == "u"
+    and np.dtype(dtype).kind == "i"
+    and array.max() > np.iinfo(dtype).max
+  ):  # the cast would wrap (2**63 became -2**63)
+    i = int(np.argmax(array > np.iinfo(dtype).max))
+    raise ValueError(
+      f"{name}[{i}] = {int(array[i])} does not fit in {np.dtype(dtype).name}"
+    )
   array = np.array(array, dtype=dtype, copy=True)
   array.setflags(write=False)
   return array
@@ -595,6 +605,8 @@ def merge_traces(
       if t.session_ids is None
       else t.session_ids
     )
+    if len(t) and local.min() < 0:  # shifted to start at 0: no collision
+      local = local - local.min()
     sessions.append(local + offset)
     offset += int(local.max()) + 1 if len(t) else 0
   block_sizes = {t.hash_block_size for t in traces}
