@@ -285,6 +285,20 @@ def test_bad_parameters_are_refused(kind, params, error, match):
     generate_workload(kind, num_requests=5, seed=0, **params)
 
 
+def test_work_follows_the_requests_not_the_group_size(rng):
+  """n = 10**12 samples (or beams) of which 5 are kept used to loop for
+  every sample; the kept requests are those of a small group size."""
+  seed = int(rng.integers(2**31))
+  for kind, param in (
+    ("parallel_sampling", "n"),
+    ("beam_search", "beam_width"),
+  ):
+    huge = generate_workload(kind, num_requests=5, seed=seed, **{param: 10**12})
+    small = generate_workload(kind, num_requests=5, seed=seed, **{param: 5})
+    assert huge.input_lengths.tolist() == small.input_lengths.tolist()
+    assert len(set(huge.session_ids.tolist())) == 1
+
+
 def test_bad_sizes_and_seeds_are_refused():
   with pytest.raises(ValueError, match="num_requests=0 must be >= 1"):
     generate_workload("agent", num_requests=0, seed=0)

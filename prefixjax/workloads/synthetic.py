@@ -622,6 +622,8 @@ def parallel_sampling_workload(
   for group in range(num_groups):
     prompt = builder.tokens(builder.length(prompt_len))
     for _ in range(n):
+      if len(builder) == num_requests:  # the rest would be cut (n = 10**12)
+        break
       answer = builder.tokens(builder.length(output_len))
       builder.add(arrivals[group], prompt, answer, group)
   return builder.build(num_requests)
@@ -672,7 +674,9 @@ def beam_search_workload(
   while len(builder) < num_requests:
     start += rng.exponential(1.0 / rate)
     prompt = builder.tokens(builder.length(prompt_len))
-    beams = [(prompt, None)] * beam_width  # (prompt, answer) per beam.
+    # (prompt, answer) per beam; past the requests left none is sent (and
+    # the search ends after this round), so no list of beam_width = 10**9.
+    beams = [(prompt, None)] * min(beam_width, num_requests - len(builder))
     for round_index in range(builder.length(num_rounds)):
       arrival = start + round_index * step_time_s
       if round_index:
