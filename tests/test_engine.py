@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -347,6 +348,13 @@ def test_bad_configs_and_arguments_are_refused():
   wrong = Engine(wide, CFG).params
   with pytest.raises(ValueError, match="params"):
     Engine(MODEL, CFG, params=wrong)
+  # One NaN weight made every logit NaN, and greedy sampling emitted 0s.
+  good = Engine(MODEL, CFG).params
+  leaves, tree = jax.tree.flatten(good)
+  i = int(np.random.default_rng().integers(len(leaves)))
+  leaves[i] = leaves[i].at[(0,) * leaves[i].ndim].set(jnp.nan)
+  with pytest.raises(ValueError, match=r"holds NaN or inf \(1 arrays do\)"):
+    Engine(MODEL, CFG, params=jax.tree.unflatten(tree, leaves))
 
 
 def test_the_bitwise_check_sees_one_ulp_in_the_cached_pages(rng):

@@ -556,7 +556,8 @@ def _abstract_params(config: ModelConfig) -> dict:
 
 def check_params(params, config: ModelConfig) -> None:
   """Raises ValueError unless ``params`` has the tree, shapes and dtypes of
-  :func:`init_params` of ``config`` (arrays or ``ShapeDtypeStruct`` leaves).
+  :func:`init_params` of ``config`` (arrays or ``ShapeDtypeStruct`` leaves)
+  and, where its arrays are concrete, only finite values.
   """
   expected = _abstract_params(config)
   got_def = jax.tree.structure(params)
@@ -579,6 +580,30 @@ def check_params(params, config: ModelConfig) -> None:
         f"params{jax.tree_util.keystr(path)} is {dtype}{list(shape)}, "
         f"expected {want.dtype}{list(want.shape)} for {config.name!r}"
       )
+  # Values, where they are concrete: a NaN weight makes every logit NaN,
+  # and greedy sampling then emits token 0 with no error.
+  leaves = [
+    (path, leaf)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+    if not isinstance(leaf, jax.ShapeDtypeStruct)
+  ]
+  try:
+    finite = jax.device_get([jnp.all(jnp.isfinite(x)) for _, x in leaves])
+  except (
+    jax.errors.TracerArrayConversionError,
+    jax.errors.ConcretizationTypeError,
+  ):
+    return  # traced: shapes and dtypes are all there is to check
+  bad = [
+    jax.tree_util.keystr(p)
+    for (p, _), ok in zip(leaves, finite, strict=True)
+    if not ok
+  ]
+  if bad:
+    raise ValueError(
+      f"params{bad[0]} holds NaN or inf ({len(bad)} arrays do): the model "
+      "would sample garbage"
+    )
 
 
 def checkpoint_path(path) -> pathlib.Path:
