@@ -178,6 +178,19 @@ def test_hits_make_roofline_prefill_cheaper(rng):
   assert r1["ttft_s"] < 0.5 * r0["ttft_s"], (r0["ttft_s"], r1["ttft_s"])
 
 
+def _one_request():
+  """A one-request run on a 2-slot engine, for the argument checks."""
+  records = [dict(input_tok_ids=[1, 2, 3], output_toks=2)]
+  config = ServingConfig(
+    num_gpu_blocks=40,
+    block_size=4,
+    max_num_seqs=2,
+    max_num_batched_tokens=64,
+    max_model_len=64,
+  )
+  return records, config
+
+
 @pytest.mark.parametrize(
   "kw, match",
   [
@@ -189,14 +202,7 @@ def test_hits_make_roofline_prefill_cheaper(rng):
   ],
 )
 def test_bad_clock_arguments(kw, match):
-  records = [dict(input_tok_ids=[1, 2, 3], output_toks=2)]
-  config = ServingConfig(
-    num_gpu_blocks=40,
-    block_size=4,
-    max_num_seqs=1,
-    max_num_batched_tokens=64,
-    max_model_len=64,
-  )
+  records, config = _one_request()
   with pytest.raises(ValueError, match=match):
     serving.simulate(records, config, **kw)
 
@@ -230,14 +236,7 @@ def test_a_bad_step_time_stops_the_run_with_a_status(rng, semantics, bad):
 
 
 def test_a_clock_of_the_wrong_shape_or_kind_is_refused():
-  records = [dict(input_tok_ids=[1, 2, 3], output_toks=2)]
-  config = ServingConfig(
-    num_gpu_blocks=40,
-    block_size=4,
-    max_num_seqs=2,
-    max_num_batched_tokens=64,
-    max_model_len=64,
-  )
+  records, config = _one_request()
   with pytest.raises(TypeError, match=r"one number of seconds.*shape \(2,\)"):
     serving.simulate(records, config, clock=lambda n, c: n.astype(jnp.float32))
 

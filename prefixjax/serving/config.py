@@ -240,14 +240,7 @@ class ServingConfig:
         "sglang-semantics knob (SGLang's --max-prefill-tokens); vllm "
         "semantics has none"
       )
-    elif knob := next(
-      (
-        (name, getattr(self, name))
-        for name, default in _SGLANG_PRIORITY_KNOBS
-        if getattr(self, name) != default
-      ),
-      None,
-    ):
+    elif knob := self._priority_knob_set():
       raise ValueError(
         f"ServingConfig.{knob[0]}={knob[1]!r}: an sglang-semantics knob "
         "(SGLang's priority scheduling); vLLM's priority policy is always "
@@ -258,6 +251,17 @@ class ServingConfig:
         "ServingConfig.waiting_prefix_refresh=False: an sglang-semantics "
         "knob; vllm semantics has none"
       )
+
+  def _priority_knob_set(self) -> tuple[str, object] | None:
+    """The first SGLang priority knob off its default, as (name, value)."""
+    return next(
+      (
+        (name, getattr(self, name))
+        for name, default in _SGLANG_PRIORITY_KNOBS
+        if getattr(self, name) != default
+      ),
+      None,
+    )
 
   def _check_sglang(self) -> None:
     """The rules of ``semantics="sglang"``."""
@@ -277,16 +281,7 @@ class ServingConfig:
         "ServingConfig.priority_preemption_threshold="
         f"{self.priority_preemption_threshold} must be in (-2**30, 2**30)"
       )
-    if name != "priority" and (
-      knob := next(
-        (
-          (field, getattr(self, field))
-          for field, default in _SGLANG_PRIORITY_KNOBS
-          if getattr(self, field) != default
-        ),
-        None,
-      )
-    ):
+    if name != "priority" and (knob := self._priority_knob_set()):
       raise ValueError(
         f"ServingConfig.{knob[0]}={knob[1]!r} is a rule of "
         f"scheduler='priority' (SGLang's --enable-priority-scheduling); "
