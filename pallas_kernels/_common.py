@@ -136,7 +136,22 @@ def start_then_wait(copies: list[Any]) -> None:
 
 
 def default_scale(scale: float | None, head_dim: int) -> float:
-  return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+  """``1 / sqrt(D)``, or ``scale`` checked to be a finite number."""
+  if scale is None:
+    return 1.0 / math.sqrt(head_dim)
+  if isinstance(scale, bool) or not isinstance(scale, (int, float, np.number)):
+    raise TypeError(f"scale={scale!r} must be a number or None.")
+  if not math.isfinite(scale):
+    raise ValueError(f"scale={scale!r} must be finite.")
+  return float(scale)
+
+
+def check_flag(name: str, value) -> bool:
+  """``value`` as a bool; anything but a bool (``"no"`` is truthy) is a
+  TypeError."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name}={value!r} must be True or False.")
+  return bool(value)
 
 
 def dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:

@@ -401,6 +401,7 @@ def paged_attention(
     >>> o.shape
     (2, 4, 32)
   """
+  return_lse = _common.check_flag("return_lse", return_lse)
   _common.check_rank("q", q, 3, "[B, Hq, D]")
   _, _, num_pages, page_size, head_dim = _common.check_pages(
     q, k_pages, v_pages

@@ -280,6 +280,7 @@ def shared_prefix_attention(
     >>> o.shape
     (3, 4, 32)
   """
+  return_lse = _common.check_flag("return_lse", return_lse)
   _common.check_rank("q", q, 3, "[B, Hq, D]")
   _, _, num_pages, page_size, head_dim = _common.check_pages(
     q, k_pages, v_pages
@@ -327,6 +328,12 @@ def shared_prefix_attention(
       max_group_size = batch
     else:
       max_group_size = min(batch, 1 << (max(largest, 1) - 1).bit_length())
+  if isinstance(max_group_size, bool) or not isinstance(
+    max_group_size, (int, np.integer)
+  ):
+    raise ValueError(
+      f"max_group_size={max_group_size!r} must be an int (or None)."
+    )
   max_group_size = int(max_group_size)
   if max_group_size < 1 or (largest is not None and largest > max_group_size):
     raise ValueError(

@@ -312,3 +312,24 @@ def test_interpret_must_be_a_bool_or_params(interpret):
     pk.paged_attention(
       **decode_args(), backend="pallas_tpu", interpret=interpret
     )
+
+
+@pytest.mark.parametrize(
+  "kw, error, match",
+  [
+    (dict(return_lse="no"), TypeError, "return_lse='no' must be True or"),
+    (dict(scale=float("nan")), ValueError, "scale=nan must be finite"),
+    (dict(scale="0.1"), TypeError, "scale='0.1' must be a number"),
+  ],
+)
+def test_flags_and_scale_are_checked(kw, error, match):
+  """``return_lse="no"`` read as True; ``scale=nan`` gave NaN outputs."""
+  with pytest.raises(error, match=match):
+    pk.paged_attention(**decode_args(), backend="reference", **kw)
+
+
+def test_max_group_size_must_be_an_int():
+  with pytest.raises(ValueError, match=r"max_group_size=2\.5 must be an int"):
+    pk.shared_prefix_attention(
+      **shared_args(), max_group_size=2.5, backend="reference"
+    )
