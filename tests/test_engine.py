@@ -315,6 +315,8 @@ def test_bad_configs_and_arguments_are_refused():
     CacheConfig(block_size=16, num_blocks=8, max_model_len=512)
   with pytest.raises(TypeError, match="CacheConfig.chunked_prefill"):
     CacheConfig(chunked_prefill=1)
+  with pytest.raises(ValueError, match="CacheConfig.max_model_len=1 must be"):
+    CacheConfig(max_model_len=1)  # no prompt could ever be served
   with pytest.raises(TypeError, match="ModelConfig"):
     Engine("tiny", CFG)
   with pytest.raises(ValueError, match="scheduler"):

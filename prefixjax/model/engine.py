@@ -106,6 +106,11 @@ class CacheConfig:
         "ServingConfig.num_gpu_blocks", "CacheConfig.num_blocks"
       )
       raise type(e)(msg.replace("ServingConfig.", "CacheConfig.")) from None
+    if self.max_model_len < 2:
+      raise ValueError(
+        f"CacheConfig.max_model_len={self.max_model_len} must be >= 2: a "
+        "prompt needs a token and room for one output"
+      )
 
   def serving_config(self, scheduler: str | sch.Scheduler = "fcfs"):
     """The :class:`prefixjax.serving.ServingConfig` the engine schedules
