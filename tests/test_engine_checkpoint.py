@@ -155,6 +155,12 @@ def test_checkpoint_errors(rng, tmp_path):
   gen.run()
   with pytest.raises(RuntimeError, match="done"):
     gen.step()
+  # A damaged meta file: named, not a bare JSONDecodeError.
+  for f in (tmp_path / "x" / "meta").rglob("*"):
+    if f.is_file():
+      f.write_text("{not json")
+  with pytest.raises(ValueError, match="its 'meta' cannot be read"):
+    Engine.restore(tmp_path / "x")
 
 
 SMALL = CacheConfig(

@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 
 from prefixjax.configs import ModelConfig
 from prefixjax.model.engine import CacheConfig, Engine, Generation
-from prefixjax.model.llama import checkpoint_path, init_params
+from prefixjax.model.llama import check_params, checkpoint_path, init_params
 from prefixjax.serving import schedulers as sch
 from prefixjax.serving.simulate import build_inputs
 
@@ -204,10 +204,16 @@ def restore(path) -> tuple[Engine, Generation | None]:
       f"no engine checkpoint at {str(source)!r} (needs 'meta' and 'engine')"
     )
   with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
-    meta = ckpt.restore(
-      source, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
-    )["meta"]
-    if meta.get("format") != _FORMAT:
+    try:
+      meta = ckpt.restore(
+        source, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+      )["meta"]
+    except ValueError as err:  # json.JSONDecodeError among them
+      raise ValueError(
+        f"{str(source)!r}: its 'meta' cannot be read ({err})"
+      ) from None
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+      meta = meta if isinstance(meta, dict) else {}
       raise ValueError(
         f"{str(source)!r} has format {meta.get('format')!r}, not {_FORMAT!r}"
       )
@@ -252,6 +258,7 @@ def restore(path) -> tuple[Engine, Generation | None]:
       args["generation"] = ocp.args.StandardRestore(_abstract(parts))
     got = ckpt.restore(source, args=ocp.args.Composite(**args))
   arrays = got["engine"]
+  check_params(arrays["params"], model_config)  # NaN / inf written or damaged
   engine.params, engine.pool = arrays["params"], arrays["pool"]
   engine.cache = arrays.get("cache")
   engine._calls = meta["calls"]

@@ -305,7 +305,8 @@ class Engine:
     self.batch_invariant = batch_invariant
     # Refuses an unknown backend, or a Pallas one this platform cannot
     # run, now rather than in the first forward.
-    pk.resolve_backend(backend, interpret, kernel="Engine")
+    if backend is not None or interpret is not False:
+      pk.resolve_backend(backend, interpret, kernel="Engine")
     self.backend, self.interpret = backend, interpret
     k = cache_config.block_size
     self.num_chunks = fwd.max_chunks(
