@@ -102,6 +102,17 @@ def test_verbs_reject_bad_arguments_at_the_boundary():
     checked.batch_view(state, wide)
 
 
+def test_traced_verbs_refuse_ids_and_counts_that_are_not_integers():
+  """A bool sequence id was read as sequence 1 (status OK); a float failed
+  deep inside jax's indexing."""
+  state = _small()
+  for seq, n in [(True, 3), (jnp.float32(0), 3), (0, 2.5), (0, jnp.bool_(1))]:
+    with pytest.raises(TypeError, match="must be integers, got dtype"):
+      paging.allocate(state, seq, n)
+  with pytest.raises(TypeError, match="sequence ids must be integers"):
+    jax.jit(paging.release)(state, jnp.float32(0))
+
+
 def test_traced_bad_values_become_status_and_state_is_unchanged():
   state = _small()
 

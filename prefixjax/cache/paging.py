@@ -110,9 +110,19 @@ def settle(state: PagingState, *values):
   return barrier(state.free_head, *values)
 
 
+def integer_scalars(what: str, *values) -> None:
+  """Refuses, when traced, ids or counts that are not integers: a bool
+  would be read as 0 or 1, a float fails deep inside an index."""
+  for value in values:
+    dtype = jnp.result_type(value)
+    if dtype == jnp.bool_ or not jnp.issubdtype(dtype, jnp.integer):
+      raise TypeError(f"{what} must be integers, got dtype {dtype}")
+
+
 def blocks_for(num_tokens: jax.Array, block_size: int) -> jax.Array:
   """``ceil(num_tokens / block_size)``, without the int32 overflow of
   ``(n + K - 1) // K`` for ``n`` near ``2**31``."""
+  integer_scalars("token counts", num_tokens)
   return num_tokens // block_size + jnp.where(num_tokens % block_size, 1, 0)
 
 
@@ -130,6 +140,7 @@ def first_error(*pairs) -> jax.Array:
 
 
 def seq_status(state: PagingState, seq_id: jax.Array, want_active: bool):
+  integer_scalars("sequence ids", seq_id)
   in_range = (seq_id >= 0) & (seq_id < state.max_seqs)
   active = gather(state.active, seq_id[None], False)[0]
   if want_active:

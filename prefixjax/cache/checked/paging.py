@@ -36,11 +36,14 @@ __all__ = [
   "allocate",
   "append",
   "as_index",
+  "as_int32_array",
   "as_sequence",
   "batch_view",
   "check_state",
   "copy_on_write",
   "fork",
+  "host_array",
+  "host_int",
   "release",
   "slot_mapping",
 ]
@@ -72,6 +75,17 @@ def _index(name: str, value) -> tuple[jax.Array, int | None]:
   if host is not None:  # concrete: its value checked before the cast
     return _in_int32(name, int(host)), int(host)
   return arr.astype(jnp.int32), None
+
+
+def host_int(name: str, value) -> int | None:
+  """A scalar id or count on the host (checked as :func:`as_index`
+  checks it), or None when it is traced."""
+  return _index(name, value)[1]
+
+
+def host_array(value) -> np.ndarray | None:
+  """``value`` on the host, or None when it is traced."""
+  return _concrete(value)
 
 
 def _concrete(value) -> np.ndarray | None:

@@ -15,10 +15,10 @@ import numpy as np
 from prefixjax.cache import policies as policies_lib
 from prefixjax.cache import prefix_cache
 from prefixjax.cache.checked.paging import (
-  _concrete,
-  _index,
   as_index,
   as_sequence,
+  host_array,
+  host_int,
 )
 from prefixjax.cache.prefix_cache import PrefixCacheState, check_state
 
@@ -46,7 +46,7 @@ def keys_arg(
   that fits the table (``min(num_tokens // K, M)`` rows): a missing key is
   refused here, never padded into a key that could hit or be published.
   """
-  host = _concrete(block_keys)  # its dtype before any cast (uint64 wraps)
+  host = host_array(block_keys)  # its dtype before any cast (uint64 wraps)
   keys = jnp.asarray(block_keys) if host is None else host
   if keys.ndim != 2 or keys.shape[-1] != 2 or keys.dtype != np.uint32:
     raise ValueError(
@@ -55,7 +55,7 @@ def keys_arg(
     )
   keys = jnp.asarray(keys)
   m = state.max_blocks_per_seq
-  tokens = None if num_tokens is None else _index(what, num_tokens)[1]
+  tokens = None if num_tokens is None else host_int(what, num_tokens)
   if tokens is not None:  # concrete (a Python, numpy or jax scalar)
     need = min(tokens // state.block_size, m)
     if keys.shape[0] < need:
@@ -143,10 +143,10 @@ def publish(
   """
   check_state(state)
   seq = as_sequence(state, "seq_id", seq_id)
-  seq_host = _index("seq_id", seq_id)[1]
-  tokens = _index("num_tokens", num_tokens)[1]
+  seq_host = host_int("seq_id", seq_id)
+  tokens = host_int("num_tokens", num_tokens)
   if tokens is not None and seq_host is not None:  # both concrete
-    held = _concrete(state.paging.num_tokens)
+    held = host_array(state.paging.num_tokens)
     if held is not None and tokens > int(held[seq_host]):
       raise ValueError(
         f"num_tokens={tokens} but sequence {seq_host} holds "
