@@ -146,6 +146,27 @@ def default_scale(scale: float | None, head_dim: int) -> float:
   return float(scale)
 
 
+def check_page_size(page_size: Any) -> int:
+  """``page_size`` as a positive int; a bool, float or non-positive value
+  is refused."""
+  if isinstance(page_size, (bool, np.bool_)) or not isinstance(
+    page_size, (int, np.integer)
+  ):
+    raise TypeError(f"page_size={page_size!r} must be an int.")
+  if page_size < 1:
+    raise ValueError(f"page_size={page_size} must be >= 1.")
+  return int(page_size)
+
+
+def check_whole_pages(name: str, lengths: Any, page_size: int) -> None:
+  """Concrete ``lengths`` must be multiples of ``page_size``."""
+  if is_concrete(lengths) and (host(lengths) % page_size).any():
+    raise ValueError(
+      f"{name}={host(lengths).tolist()} must be whole pages (multiples of "
+      f"page_size={page_size})."
+    )
+
+
 def check_flag(name: str, value) -> bool:
   """``value`` as a bool; anything but a bool (``"no"`` is truthy) is a
   TypeError."""

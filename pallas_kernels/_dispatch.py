@@ -73,6 +73,8 @@ import jax
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import _common
+
 logger = logging.getLogger("pallas_kernels")
 
 Backend = Literal["reference", "pallas_tpu", "pallas_gpu"]
@@ -304,6 +306,23 @@ def resolve_backend(
   return backend, False
 
 
+def reference_when_empty(
+  chosen: tuple[str, Any], *arrays: Any
+) -> tuple[str, Any]:
+  """``chosen`` (from :func:`resolve_backend`), or the reference when any of
+  ``arrays`` has no elements.
+
+  A Pallas grid over zero rows cannot be launched (its index maps read past
+  empty scalar-prefetch buffers); the reference returns the empty or
+  unchanged result exactly, at no cost.
+  """
+  if any(getattr(a, "size", 1) == 0 for a in arrays):
+    return "reference", None
+  return chosen
+
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
 # Bytes ratio (naive paged decode / shared-prefix) above which the shared
 # path is chosen. The shared path costs a second launch, a gather of the
 # queries per group and an LSE merge, so it must save a clear margin of
@@ -338,9 +357,49 @@ def prefer_shared_prefix(
 
   Returns:
     A boolean scalar (``jnp`` array).
+
+  Raises:
+    ValueError: arrays of the wrong rank, shape or dtype (integers are
+      required), concrete group ids outside ``[0, G)``, negative lengths, or
+      ``min_bytes_ratio`` not a finite positive number.
+    TypeError: ``page_size`` not an int.
   """
   import jax.numpy as jnp
 
+  page_size = _common.check_page_size(page_size)
+  if isinstance(min_bytes_ratio, (bool, np.bool_)) or not isinstance(
+    min_bytes_ratio, (int, float, np.number)
+  ):
+    raise TypeError(f"min_bytes_ratio={min_bytes_ratio!r} must be a number.")
+  if not (np.isfinite(min_bytes_ratio) and min_bytes_ratio > 0):
+    raise ValueError(
+      f"min_bytes_ratio={min_bytes_ratio!r} must be finite and positive."
+    )
+  arrays = {}
+  for name, value, layout in (
+    ("group_of", group_of, "[B]"),
+    ("prefix_lengths", prefix_lengths, "[G]"),
+    ("suffix_lengths", suffix_lengths, "[B]"),
+  ):
+    if not hasattr(value, "dtype"):
+      value = np.asarray(value)
+    if not jnp.issubdtype(value.dtype, jnp.integer):
+      raise ValueError(f"{name}.dtype={value.dtype} must be an integer type.")
+    _common.check_rank(name, value, 1, layout)
+    if _common.is_concrete(value):
+      host = _common.host(value)
+      if host.size and (
+        host.min() < np.iinfo(np.int32).min or host.max() > _INT32_MAX
+      ):
+        raise ValueError(f"{name} has values outside int32.")
+      if name != "group_of" and host.size and host.min() < 0:
+        raise ValueError(f"{name} has negative values {host.min()}.")
+    arrays[name] = value
+  group_of, prefix_lengths, suffix_lengths = arrays.values()
+  _common.check_shape(
+    "suffix_lengths", suffix_lengths, group_of.shape, "one per request"
+  )
+  _common.check_range("group_of", group_of, 0, prefix_lengths.shape[0])
   group_of = jnp.asarray(group_of, jnp.int32)
   prefix_pages = jnp.asarray(prefix_lengths, jnp.int32) // page_size
   suffix_pages = (jnp.asarray(suffix_lengths, jnp.int32) + page_size - 1) // (

@@ -27,7 +27,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _common
-from pallas_kernels._dispatch import gpu_variant, resolve_backend
+from pallas_kernels._dispatch import (
+  gpu_variant,
+  reference_when_empty,
+  resolve_backend,
+)
 
 
 def copy_blocks_kernel(
@@ -166,7 +170,9 @@ def copy_blocks(
       )
   if src.shape[0] == 0:
     return k_pages, v_pages
-  backend, interpret = resolve_backend(backend, interpret, kernel="copy_blocks")
+  backend, interpret = reference_when_empty(
+    resolve_backend(backend, interpret, kernel="copy_blocks"), src
+  )
   return _copy_blocks(
     k_pages, v_pages, src, dst, backend=backend, interpret=interpret
   )

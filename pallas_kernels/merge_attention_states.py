@@ -22,7 +22,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _common
-from pallas_kernels._dispatch import gpu_variant, resolve_backend
+from pallas_kernels._dispatch import (
+  gpu_variant,
+  reference_when_empty,
+  resolve_backend,
+)
 
 
 def merge_attention_states_kernel(
@@ -158,7 +162,7 @@ def merge_attention_states(
   for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
     _common.check_shape(name, lse, o_a.shape[:2], "o_a.shape[:2]")
     _common.check_dtype(name, lse, (jnp.float32,))
-  backend, interpret = resolve_backend(
-    backend, interpret, kernel="merge_attention_states"
+  backend, interpret = reference_when_empty(
+    resolve_backend(backend, interpret, kernel="merge_attention_states"), o_a
   )
   return _merge(o_a, lse_a, o_b, lse_b, backend=backend, interpret=interpret)

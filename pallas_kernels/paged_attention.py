@@ -52,7 +52,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _common
-from pallas_kernels._dispatch import gpu_variant, resolve_backend
+from pallas_kernels._dispatch import (
+  gpu_variant,
+  reference_when_empty,
+  resolve_backend,
+)
 
 
 def paged_flash_kernel(
@@ -352,6 +356,11 @@ def check_tables(
 ) -> None:
   """Validates an int32 ``[rows, P]`` block table and ``[rows]`` lengths."""
   _common.check_rank(name, tables, 2, "[rows, pages_per_sequence]")
+  if tables.shape[1] == 0:
+    raise ValueError(
+      f"{name}.shape={tuple(tables.shape)} has no page columns; give each "
+      "row at least one (pad with page 0)."
+    )
   _common.check_int_array(name, tables, (rows, tables.shape[1]), "row count")
   _common.check_int_array(lengths_name, lengths, (rows,), f"one per {name} row")
   _common.check_range(name, tables, 0, num_pages)
@@ -415,8 +424,8 @@ def paged_attention(
     num_pages,
     page_size,
   )
-  backend, interpret = resolve_backend(
-    backend, interpret, kernel="paged_attention"
+  backend, interpret = reference_when_empty(
+    resolve_backend(backend, interpret, kernel="paged_attention"), q
   )
   return _paged_attention(
     q,

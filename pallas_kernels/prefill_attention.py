@@ -35,7 +35,7 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels import _common
-from pallas_kernels._dispatch import resolve_backend
+from pallas_kernels._dispatch import reference_when_empty, resolve_backend
 from pallas_kernels.paged_attention import check_tables, paged_flash
 
 
@@ -281,8 +281,8 @@ def prefill_attention(
         f"cu_q_lengths gives q lengths {q_lengths.tolist()} that exceed "
         f"kv_lengths={kv.tolist()}."
       )
-  backend, interpret = resolve_backend(
-    backend, interpret, kernel="prefill_attention"
+  backend, interpret = reference_when_empty(
+    resolve_backend(backend, interpret, kernel="prefill_attention"), q
   )
   return _prefill_attention(
     q,

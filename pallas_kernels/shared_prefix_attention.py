@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _common
-from pallas_kernels._dispatch import resolve_backend
+from pallas_kernels._dispatch import reference_when_empty, resolve_backend
 from pallas_kernels.paged_attention import (
   check_tables,
   decode_outputs,
@@ -89,7 +89,63 @@ def concat_block_tables(
   suffix_lengths: jax.Array,  # [B]
   page_size: int,
 ) -> tuple[jax.Array, jax.Array]:
-  """Per-request tables ``[B, Pp + Ps]`` and lengths ``[B]`` (prefix first)."""
+  """Per-request tables ``[B, Pp + Ps]`` and lengths ``[B]`` (prefix first).
+
+  Request ``b``'s row is its group's first ``prefix_lengths[g] // K`` prefix
+  pages, then its suffix pages, padded with suffix entries. The arguments
+  are checked as :func:`shared_prefix_attention` checks them (int32 arrays
+  of matching shapes; for concrete values, group ids in range, whole-page
+  prefixes and lengths within their tables), except that page ids are only
+  required to be non-negative: no pool is given here.
+
+  Raises:
+    ValueError: bad shapes, dtypes or (concrete) values.
+    TypeError: ``page_size`` not an int.
+  """
+  page_size = _common.check_page_size(page_size)
+  _common.check_rank("prefix_block_tables", prefix_block_tables, 2, "[G, Pp]")
+  _common.check_rank("suffix_block_tables", suffix_block_tables, 2, "[B, Ps]")
+  num_groups, batch = prefix_block_tables.shape[0], suffix_block_tables.shape[0]
+  any_page = int(np.iinfo(np.int32).max)
+  check_tables(
+    "prefix_block_tables",
+    prefix_block_tables,
+    "prefix_lengths",
+    prefix_lengths,
+    num_groups,
+    any_page,
+    page_size,
+  )
+  check_tables(
+    "suffix_block_tables",
+    suffix_block_tables,
+    "suffix_lengths",
+    suffix_lengths,
+    batch,
+    any_page,
+    page_size,
+  )
+  _common.check_int_array("group_of", group_of, (batch,), "one per request")
+  _common.check_range("group_of", group_of, 0, num_groups)
+  _common.check_whole_pages("prefix_lengths", prefix_lengths, page_size)
+  return _concat_block_tables(
+    prefix_block_tables,
+    prefix_lengths,
+    group_of,
+    suffix_block_tables,
+    suffix_lengths,
+    page_size,
+  )
+
+
+def _concat_block_tables(
+  prefix_block_tables,
+  prefix_lengths,
+  group_of,
+  suffix_block_tables,
+  suffix_lengths,
+  page_size,
+):
   prefix_pages = prefix_block_tables.shape[1]
   width = prefix_pages + suffix_block_tables.shape[1]
   used = (prefix_lengths // page_size)[group_of][:, None]  # [B, 1]
@@ -122,7 +178,7 @@ def shared_prefix_attention_reference(
   return_lse: bool = False,
 ):
   """Plain-``jnp`` reference: paged attention over concatenated tables."""
-  tables, lengths = concat_block_tables(
+  tables, lengths = _concat_block_tables(
     prefix_block_tables,
     prefix_lengths,
     group_of,
@@ -313,13 +369,7 @@ def shared_prefix_attention(
   )
   _common.check_int_array("group_of", group_of, (batch,), "one per request")
   _common.check_range("group_of", group_of, 0, num_groups)
-  if _common.is_concrete(prefix_lengths):
-    partial = _common.host(prefix_lengths) % page_size
-    if partial.any():
-      raise ValueError(
-        f"prefix_lengths={_common.host(prefix_lengths).tolist()} must be "
-        f"whole pages (multiples of page_size={page_size})."
-      )
+  _common.check_whole_pages("prefix_lengths", prefix_lengths, page_size)
   largest = None
   if _common.is_concrete(group_of):
     largest = int(np.bincount(_common.host(group_of), minlength=1).max())
@@ -340,8 +390,8 @@ def shared_prefix_attention(
       f"max_group_size={max_group_size} must be >= 1 and >= the largest "
       f"group ({largest} requests)."
     )
-  backend, interpret = resolve_backend(
-    backend, interpret, kernel="shared_prefix_attention"
+  backend, interpret = reference_when_empty(
+    resolve_backend(backend, interpret, kernel="shared_prefix_attention"), q
   )
   return _shared_prefix_attention(
     q,

@@ -29,7 +29,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _common
-from pallas_kernels._dispatch import gpu_variant, resolve_backend
+from pallas_kernels._dispatch import (
+  gpu_variant,
+  reference_when_empty,
+  resolve_backend,
+)
 
 
 def write_kv_kernel(
@@ -200,7 +204,9 @@ def write_kv(
       raise ValueError(
         f"slot_mapping={_common.host(slot_mapping).tolist()} repeats a slot."
       )
-  backend, interpret = resolve_backend(backend, interpret, kernel="write_kv")
+  backend, interpret = reference_when_empty(
+    resolve_backend(backend, interpret, kernel="write_kv"), k_new
+  )
   return _write_kv(
     k_pages,
     v_pages,

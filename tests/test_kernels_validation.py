@@ -227,6 +227,22 @@ BAD_CASES = {
     copy_args(dst=jnp.array([3, 1], I32)),
     "dst",
   ),
+  # tables without a page column (the Pallas grid read past them)
+  "paged-no-columns": (
+    pk.paged_attention,
+    decode_args(
+      block_tables=jnp.zeros((2, 0), I32), lengths=jnp.zeros((2,), I32)
+    ),
+    "block_tables.shape=.2, 0. has no page columns",
+  ),
+  "shared-no-prefix-columns": (
+    pk.shared_prefix_attention,
+    shared_args(
+      prefix_block_tables=jnp.zeros((2, 0), I32),
+      prefix_lengths=jnp.zeros((2,), I32),
+    ),
+    "prefix_block_tables.shape=.2, 0. has no page columns",
+  ),
   # merge_attention_states
   "merge-lse-shape": (
     pk.merge_attention_states,
@@ -333,3 +349,137 @@ def test_max_group_size_must_be_an_int():
     pk.shared_prefix_attention(
       **shared_args(), max_group_size=2.5, backend="reference"
     )
+
+
+EMPTY_CASES = {
+  "paged_attention": (
+    pk.paged_attention,
+    lambda r: decode_args(
+      q=jnp.zeros((0, 4, 32), F32),
+      k_pages=r((2, 5, 8, 32)),
+      v_pages=r((2, 5, 8, 32)),
+      block_tables=jnp.zeros((0, 2), I32),
+      lengths=jnp.zeros((0,), I32),
+    ),
+  ),
+  "write_kv": (
+    pk.write_kv,
+    lambda r: write_args(
+      k_pages=r((2, 5, 8, 32)),
+      v_pages=r((2, 5, 8, 32)),
+      k_new=jnp.zeros((0, 2, 32), F32),
+      v_new=jnp.zeros((0, 2, 32), F32),
+      slot_mapping=jnp.zeros((0,), I32),
+    ),
+  ),
+  "copy_blocks": (
+    pk.copy_blocks,
+    lambda r: copy_args(
+      k_pages=r((2, 5, 8, 32)),
+      v_pages=r((2, 5, 8, 32)),
+      src=jnp.zeros((0,), I32),
+      dst=jnp.zeros((0,), I32),
+    ),
+  ),
+  "merge_attention_states": (
+    pk.merge_attention_states,
+    lambda r: merge_args(
+      o_a=jnp.zeros((0, 4, 32), F32),
+      lse_a=jnp.zeros((0, 4), F32),
+      o_b=jnp.zeros((0, 4, 32), F32),
+      lse_b=jnp.zeros((0, 4), F32),
+    ),
+  ),
+}
+
+
+@pytest.mark.parametrize("kernel", EMPTY_CASES)
+def test_zero_rows_give_the_references_result(kernel, rng):
+  """No rows to compute: the Pallas path (which failed inside the kernel's
+  index maps, or divided by zero) returns what the reference returns, the
+  empty output or the pages unchanged."""
+  fn, make = EMPTY_CASES[kernel]
+  args = make(lambda shape: jnp.asarray(rng.standard_normal(shape), F32))
+  got = fn(**args, backend="pallas_tpu", interpret=True)
+  want = fn(**args, backend="reference")
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert g.shape == w.shape and g.dtype == w.dtype
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  if kernel in ("write_kv", "copy_blocks"):
+    np.testing.assert_array_equal(np.asarray(got[0]), args["k_pages"])
+
+
+def concat_args(**override):
+  args = shared_args(**override)
+  for name in ("q", "k_pages", "v_pages"):
+    del args[name]
+  return args
+
+
+@pytest.mark.parametrize(
+  "override, error, match",
+  [
+    (dict(group_of=jnp.array([0, 2, 0], I32)), ValueError, "group_of"),
+    (dict(group_of=jnp.array([0, 1], I32)), ValueError, r"group_of\.shape"),
+    (dict(prefix_lengths=jnp.array([12, 8], I32)), ValueError, "whole pages"),
+    (
+      dict(suffix_lengths=jnp.array([3, 9, 0], I32)),
+      ValueError,
+      "suffix_lengths has out-of-range values",
+    ),
+    (
+      dict(prefix_lengths=jnp.array([24, 8], I32)),
+      ValueError,
+      "prefix_lengths has out-of-range values",
+    ),
+    (
+      dict(suffix_block_tables=jnp.array([[4.0], [5], [0]], F32)),
+      ValueError,
+      r"suffix_block_tables\.dtype",
+    ),
+    (
+      dict(prefix_block_tables=jnp.array([1, 2], I32)),
+      ValueError,
+      "prefix_block_tables must have rank 2",
+    ),
+    (dict(page_size=0), ValueError, "page_size=0 must be >= 1"),
+    (dict(page_size=8.0), TypeError, r"page_size=8\.0 must be an int"),
+  ],
+)
+def test_concat_block_tables_checks_its_arguments(override, error, match):
+  """It took any shapes and values: an out-of-range group read another
+  group's prefix, a partial prefix page dropped tokens silently."""
+  page_size = override.pop("page_size", 8)
+  with pytest.raises(error, match=match):
+    pk.concat_block_tables(**concat_args(**override), page_size=page_size)
+
+
+@pytest.mark.parametrize(
+  "args, kw, error, match",
+  [
+    (([0, 2], [16, 8], [3, 4]), {}, ValueError, "group_of has out-of-range"),
+    (([0, 1], [16, 8], [3]), {}, ValueError, r"suffix_lengths\.shape"),
+    (([0, 1], [16.5, 8], [3, 4]), {}, ValueError, "must be an integer type"),
+    (([0, 1], [16, 8], [3, -4]), {}, ValueError, "negative values"),
+    (([[0, 1]], [16, 8], [3, 4]), {}, ValueError, "group_of must have rank 1"),
+    (([0, 1], [16, 8], [3, 4]), dict(page_size=0), ValueError, "page_size"),
+    (
+      ([0, 1], [16, 8], [3, 4]),
+      dict(min_bytes_ratio=float("nan")),
+      ValueError,
+      "min_bytes_ratio=nan must be finite and positive",
+    ),
+    (
+      ([0, 1], [16, 8], [3, 4]),
+      dict(min_bytes_ratio="2"),
+      TypeError,
+      "min_bytes_ratio='2' must be a number",
+    ),
+  ],
+)
+def test_prefer_shared_prefix_checks_its_arguments(args, kw, error, match):
+  """It took any input: a group id past the prefixes was clamped into the
+  last group, float lengths were truncated."""
+  kw = {"page_size": 8, **kw}
+  with pytest.raises(error, match=match):
+    pk.prefer_shared_prefix(*(np.asarray(a) for a in args), **kw)
