@@ -19,3 +19,42 @@ def check_int(name: str, value, low: int, high: int | None = None) -> int:
     rng = f">= {low}" if high is None else f"in [{low}, {high})"
     raise ValueError(f"{name}={value} must be {rng}")
   return int(value)
+
+
+def memory_limit_bytes() -> tuple[int, str] | None:
+  """The default device's memory (an accelerator's ``bytes_limit``), else
+  this host's physical memory; ``None`` when neither can be read."""
+  import jax
+
+  try:
+    stats = jax.devices()[0].memory_stats() or {}
+  except Exception:  # noqa: BLE001 - CPU devices may not report at all
+    stats = {}
+  if stats.get("bytes_limit"):
+    return int(stats["bytes_limit"]), f"the {jax.devices()[0].device_kind}"
+  try:
+    import os
+
+    pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+  except (AttributeError, ValueError, OSError):
+    return None
+  return int(pages) * int(size), "this host"
+
+
+def check_fits_in_memory(what: str, nbytes: int) -> None:
+  """Refuses work whose arrays alone would not fit in memory.
+
+  A run that would not fit was killed by the kernel's out-of-memory
+  killer (no message at all) or failed with a bare MemoryError; this names
+  the argument that sized it before anything is allocated.
+
+  Raises:
+    ValueError: ``nbytes`` exceeds the memory :func:`memory_limit_bytes`
+      reports.
+  """
+  limit = memory_limit_bytes()
+  if limit is not None and nbytes > limit[0]:
+    raise ValueError(
+      f"{what} needs about {nbytes / 2**30:,.1f} GiB for its arrays alone, "
+      f"more than the {limit[0] / 2**30:,.1f} GiB of {limit[1]}"
+    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import tomllib
@@ -460,6 +461,22 @@ def test_bad_arguments_are_refused(rng):
   with pytest.raises(ValueError, match="router 'e2'"):
     get_router("e2", bogus=1)
   assert "cache_aware" in router_names()
+
+
+def test_replicas_past_memory_are_refused_before_any_allocation(rng):
+  """``replicas=10**9`` stacked a Python list of 10^9 states and the kernel's
+  out-of-memory killer ended the process without a message."""
+  from prefixjax._checks import memory_limit_bytes
+
+  limit = memory_limit_bytes()
+  if limit is None:
+    pytest.skip("this platform reports no memory size")
+  meminfo = pathlib.Path("/proc/meminfo")
+  if limit[1] == "this host" and meminfo.exists():
+    total_kib = int(meminfo.read_text().split("MemTotal:")[1].split()[0])
+    assert abs(limit[0] - total_kib * 1024) <= 0.05 * limit[0]
+  with pytest.raises(ValueError, match=r"replicas=1000000000 needs about"):
+    simulate_cluster(_trace(rng, n=5), CONFIG, replicas=10**9)
 
 
 def test_rejected_counts_the_input_check_and_unrouted_the_rest(rng):

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from prefixjax import _struct as struct
-from prefixjax._checks import check_int
+from prefixjax._checks import check_fits_in_memory, check_int
 from prefixjax._masked import NONE, gather
 from prefixjax.cache import prefix_cache as pc
 from prefixjax.routing import routers as rt
@@ -530,7 +530,7 @@ def _initial_cluster(state, ttl, *, p, r, a, router) -> ClusterState:
   and empty cache views (``a`` entries each): one compiled program (op by
   op outside ``jit``, every constructor would compile its own)."""
   return ClusterState(
-    replicas=jax.tree.map(lambda x: jnp.stack([x] * p), state),
+    replicas=jax.tree.map(lambda x: jnp.broadcast_to(x, (p, *x.shape)), state),
     router=router.init(p, r),
     view_keys=jnp.zeros((p, a, 2), jnp.uint32),
     view_stamp=jnp.full((p, a), -1, jnp.int32),
@@ -639,6 +639,8 @@ def simulate_cluster(
     if mode == "approximate"
     else (1, np.iinfo(np.int32).max)  # no view: one unused slot
   )
+  per_replica = sum(x.nbytes for x in jax.tree.leaves(state)) + a * 16
+  check_fits_in_memory(f"replicas={p}", p * per_replica)
   cs = _initial_cluster(state, ttl, p=p, r=r, a=a, router=router)
   if devices is not None:
     mesh = jax.sharding.Mesh(np.asarray(devices), ("replicas",))
