@@ -278,11 +278,43 @@ def test_default_workload_is_a_moderate_mix():
     ("few_shot", {"shuffle_shots": 1}, TypeError, "must be a bool"),
     ("default", {"system_prompt_fraction": 2.0}, ValueError, "in \\[0, 1\\]"),
     ("agent", {"vocab_size": 1}, ValueError, "vocab_size=1 must be >= 2"),
+    # Token ids are int32: 2**40 failed inside numpy's integers().
+    ("agent", {"vocab_size": 2**40}, ValueError, "must be <= 2147483648"),
+    # 1/rate overflowed: the error named the trace's arrival times.
+    ("multi_turn", {"rate": 1e-310}, ValueError, "rate=1e-310 is too small"),
+    (
+      "multi_turn",
+      {"think_time_s": 1e308},
+      ValueError,
+      "arrival times overflow float64",
+    ),
   ],
 )
 def test_bad_parameters_are_refused(kind, params, error, match):
   with pytest.raises(error, match=match):
     generate_workload(kind, num_requests=5, seed=0, **params)
+
+
+@pytest.mark.parametrize("kind", ["multi_turn", "agent"])
+def test_max_input_len_bound_does_not_depend_on_the_seed(kind, rng):
+  """The bound was the longest first prompt the seed happened to draw, so
+  one seed accepted what another refused; it is now the ranges' longest
+  (shared upper bound + first upper bound), for every seed."""
+  shared = "system_prompt_len" if kind == "multi_turn" else "instructions_len"
+  first = "question_len" if kind == "multi_turn" else "task_len"
+  low_shared, high_shared = sorted(rng.integers(1, 60, 2).tolist())
+  high_first = int(rng.integers(1, 30))
+  params = {shared: (low_shared, high_shared), first: (1, high_first)}
+  longest = high_shared + high_first
+  for seed in rng.integers(0, 2**31, 5).tolist():
+    with pytest.raises(ValueError, match=f"max_input_len={longest - 1}"):
+      generate_workload(
+        kind, num_requests=3, seed=seed, max_input_len=longest - 1, **params
+      )
+    trace = generate_workload(
+      kind, num_requests=3, seed=seed, max_input_len=longest, **params
+    )
+    assert trace.input_lengths.max() <= longest
 
 
 def test_work_follows_the_requests_not_the_group_size(rng):

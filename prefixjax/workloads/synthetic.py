@@ -65,12 +65,31 @@ def _is_int(value: Any) -> bool:
   return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
-def _int_param(name: str, value: Any, minimum: int) -> int:
+def _int_param(
+  name: str, value: Any, minimum: int, maximum: int | None = None
+) -> int:
   if not _is_int(value):
     raise TypeError(f"{name}={value!r} must be an int")
   if value < minimum:
     raise ValueError(f"{name}={value} must be >= {minimum}")
+  if maximum is not None and value > maximum:
+    raise ValueError(f"{name}={value} must be <= {maximum}")
   return int(value)
+
+
+def _vocab_param(value: Any) -> int:
+  """Token ids are int32, so ``[0, vocab_size)`` must fit: at most 2**31."""
+  return _int_param("vocab_size", value, 2, 2**31)
+
+
+def _rate_param(name: str, value: Any) -> float:
+  """A positive rate whose mean gap ``1 / rate`` is a finite float."""
+  value = _float_param(name, value)
+  if not np.isfinite(1.0 / value):
+    raise ValueError(
+      f"{name}={value!r} is too small: the mean gap 1/{name} overflows float64"
+    )
+  return value
 
 
 def _float_param(
@@ -135,6 +154,11 @@ class _Builder:
 
   def build(self, num_requests: int) -> Trace:
     arrivals = np.asarray(self.arrivals[:num_requests], np.float64)
+    if not np.isfinite(arrivals).all():
+      raise ValueError(
+        "arrival times overflow float64: the rate is too small or a mean "
+        "gap (think / tool time) too large for this many requests"
+      )
     order = np.argsort(arrivals, kind="stable")
     prompts = [self.prompts[i] for i in order]
     answers = [self.answers[i] for i in order]
@@ -328,8 +352,8 @@ def system_prompt_workload(
   prompt_len = _range_param("prompt_len", prompt_len, 0)
   question_len = _range_param("question_len", question_len, 1)
   output_len = _range_param("output_len", output_len, 1)
-  rate = _float_param("rate", rate)
-  builder = _Builder(rng, _int_param("vocab_size", vocab_size, 2))
+  rate = _rate_param("rate", rate)
+  builder = _Builder(rng, _vocab_param(vocab_size))
   prompts = [
     builder.tokens(builder.length(prompt_len)) for _ in range(num_prompts)
   ]
@@ -362,13 +386,15 @@ def _growing_sessions(
 
   Every session's first prompt is one prefix shared by all sessions
   (`shared_len` tokens, drawn once) then `first_len` tokens of its own;
-  `max_input_len` must leave room for the longest first prompt.
+  `max_input_len` must leave room for the longest first prompt the ranges
+  allow (``shared_len[1] + first_len[1]``), whatever the seed draws.
   """
-  builder = _Builder(rng, _int_param("vocab_size", vocab_size, 2))
-  shared = builder.tokens(builder.length(shared_len))
+  builder = _Builder(rng, _vocab_param(vocab_size))
+  # The longest first prompt the ranges allow, whatever the seed draws.
   max_input_len = _int_param(
-    "max_input_len", max_input_len, shared.shape[0] + first_len[1]
+    "max_input_len", max_input_len, shared_len[1] + first_len[1]
   )
+  shared = builder.tokens(builder.length(shared_len))
   session = 0
   start = 0.0
   while len(builder) < num_requests:
@@ -432,7 +458,7 @@ def multi_turn_workload(
   question_len = _range_param("question_len", question_len, 1)
   output_len = _range_param("output_len", output_len, 1)
   think_time_s = _float_param("think_time_s", think_time_s, strict=False)
-  rate = _float_param("rate", rate)
+  rate = _rate_param("rate", rate)
   return _growing_sessions(
     rng,
     num_requests,
@@ -490,7 +516,7 @@ def agent_workload(
   action_len = _range_param("action_len", action_len, 1)
   observation_len = _range_param("observation_len", observation_len, 0)
   tool_time_s = _float_param("tool_time_s", tool_time_s, strict=False)
-  rate = _float_param("rate", rate)
+  rate = _rate_param("rate", rate)
   return _growing_sessions(
     rng,
     num_requests,
@@ -560,8 +586,8 @@ def few_shot_workload(
     raise TypeError(f"shuffle_shots={shuffle_shots!r} must be a bool")
   question_len = _range_param("question_len", question_len, 1)
   output_len = _range_param("output_len", output_len, 1)
-  rate = _float_param("rate", rate)
-  builder = _Builder(rng, _int_param("vocab_size", vocab_size, 2))
+  rate = _rate_param("rate", rate)
+  builder = _Builder(rng, _vocab_param(vocab_size))
   instructions = [
     builder.tokens(builder.length(instruction_len)) for _ in range(num_tasks)
   ]
@@ -615,8 +641,8 @@ def parallel_sampling_workload(
   n = _int_param("n", n, 1)
   prompt_len = _range_param("prompt_len", prompt_len, 1)
   output_len = _range_param("output_len", output_len, 1)
-  rate = _float_param("rate", rate)
-  builder = _Builder(rng, _int_param("vocab_size", vocab_size, 2))
+  rate = _rate_param("rate", rate)
+  builder = _Builder(rng, _vocab_param(vocab_size))
   num_groups = -(-num_requests // n)
   arrivals = _poisson_arrivals(rng, num_groups, rate)
   for group in range(num_groups):
@@ -668,8 +694,8 @@ def beam_search_workload(
   prompt_len = _range_param("prompt_len", prompt_len, 1)
   step_len = _range_param("step_len", step_len, 1)
   step_time_s = _float_param("step_time_s", step_time_s, strict=False)
-  rate = _float_param("rate", rate)
-  builder = _Builder(rng, _int_param("vocab_size", vocab_size, 2))
+  rate = _rate_param("rate", rate)
+  builder = _Builder(rng, _vocab_param(vocab_size))
   search, start = 0, 0.0
   while len(builder) < num_requests:
     start += rng.exponential(1.0 / rate)
@@ -738,8 +764,8 @@ def tree_of_thought_workload(
   prompt_len = _range_param("prompt_len", prompt_len, 1)
   thought_len = _range_param("thought_len", thought_len, 1)
   step_time_s = _float_param("step_time_s", step_time_s, strict=False)
-  rate = _float_param("rate", rate)
-  builder = _Builder(rng, _int_param("vocab_size", vocab_size, 2))
+  rate = _rate_param("rate", rate)
+  builder = _Builder(rng, _vocab_param(vocab_size))
   tree, start = 0, 0.0
   while len(builder) < num_requests:
     start += rng.exponential(1.0 / rate)
@@ -791,8 +817,8 @@ def default_mix_workload(
   )
   if fraction > 1.0:
     raise ValueError(f"system_prompt_fraction={fraction} must be in [0, 1]")
-  rate = _float_param("rate", rate)
-  vocab_size = _int_param("vocab_size", vocab_size, 2)
+  rate = _rate_param("rate", rate)
+  vocab_size = _vocab_param(vocab_size)
   num_system = round(num_requests * fraction)
   num_chat = num_requests - num_system
   system_rng, chat_rng = rng.spawn(2)
