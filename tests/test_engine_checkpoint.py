@@ -163,6 +163,53 @@ def test_checkpoint_errors(rng, tmp_path):
     Engine.restore(tmp_path / "x")
 
 
+def test_damaged_checkpoints_are_named_with_the_part(rng, tmp_path):
+  """Damage the meta's fields, its configs, or the array files: each gives
+  a ValueError naming the checkpoint and the part (a KeyError, orbax's
+  JSONDecodeError or TensorStore's error named neither)."""
+  import shutil
+
+  eng = Engine(MODEL, CFG, seed=int(rng.integers(100)))
+  eng.save(tmp_path / "base")
+  (meta_file,) = [
+    f for f in (tmp_path / "base" / "meta").rglob("*") if f.name == "metadata"
+  ]
+  meta = json.loads(meta_file.read_text())
+  dropped = str(rng.choice(["seed", "calls", "has_cache", "cache_config"]))
+
+  def write_meta(folder, obj):
+    (folder / meta_file.relative_to(tmp_path / "base")).write_text(
+      json.dumps(obj)
+    )
+
+  def damage_arrays(folder):
+    files = [f for f in (folder / "engine").rglob("*") if f.parent.name == "d"]
+    assert files
+    for f in files:
+      f.write_bytes(rng.bytes(64))
+
+  cases = {
+    "dropped": (
+      lambda d: write_meta(d, {k: v for k, v in meta.items() if k != dropped}),
+      f"its 'meta' lacks {dropped}",
+    ),
+    "config": (
+      lambda d: write_meta(
+        d, {**meta, "cache_config": {**meta["cache_config"], "block_size": 0}}
+      ),
+      "its 'meta' does not describe a valid engine .CacheConfig.block_size",
+    ),
+    "arrays": (damage_arrays, "its arrays cannot be restored"),
+  }
+  for name, (damage, match) in cases.items():
+    folder = tmp_path / name
+    shutil.copytree(tmp_path / "base", folder)
+    damage(folder)
+    with pytest.raises(ValueError, match=match) as info:
+      Engine.restore(folder)
+    assert repr(str(folder)) in str(info.value), name
+
+
 SMALL = CacheConfig(
   block_size=4,
   num_blocks=14,

@@ -186,6 +186,45 @@ def _abstract(tree):
   )
 
 
+_META_FIELDS = (
+  "model_config",
+  "cache_config",
+  "scheduler",
+  "seed",
+  "batch_invariant",
+  "backend",
+  "interpret",
+  "has_cache",
+  "calls",
+)
+_GENERATION_FIELDS = (
+  "records",
+  "salt",
+  "seed",
+  "temperature",
+  "eos_id",
+  "return_logits",
+  "elapsed_s",
+  "dormant",
+  *_HOST,
+)
+
+
+def _check_meta_fields(source, meta: dict) -> None:
+  """Every field :func:`save` writes is there (a KeyError named none)."""
+  missing = [k for k in _META_FIELDS if k not in meta]
+  g = meta.get("generation")
+  if g is not None:
+    if not isinstance(g, dict):
+      raise ValueError(f"{str(source)!r}: its 'meta' generation is not a map")
+    missing += [f"generation.{k}" for k in _GENERATION_FIELDS if k not in g]
+  if missing:
+    raise ValueError(
+      f"{str(source)!r}: its 'meta' lacks {', '.join(missing)} (damaged, or "
+      "written by another version)"
+    )
+
+
 def restore(path) -> tuple[Engine, Generation | None]:
   """The engine (and generation) :func:`save` wrote at ``path``.
 
@@ -196,7 +235,9 @@ def restore(path) -> tuple[Engine, Generation | None]:
   Raises:
     TypeError: a bad path type.
     FileNotFoundError: no checkpoint at ``path``.
-    ValueError: a checkpoint of another format.
+    ValueError: a checkpoint of another format, or a damaged one (its meta
+      unreadable or incomplete, its arrays unreadable or of other shapes);
+      the message names the checkpoint and the part.
   """
   source = checkpoint_path(path)
   if not (source / "meta").is_dir() or not (source / "engine").is_dir():
@@ -217,19 +258,25 @@ def restore(path) -> tuple[Engine, Generation | None]:
       raise ValueError(
         f"{str(source)!r} has format {meta.get('format')!r}, not {_FORMAT!r}"
       )
-    model_config = ModelConfig(**meta["model_config"])
-    cache_config = CacheConfig(**meta["cache_config"])
-    params = jax.eval_shape(lambda: init_params(model_config))
-    engine = Engine(
-      model_config,
-      cache_config,
-      scheduler=meta["scheduler"],
-      seed=meta["seed"],
-      params=params,
-      batch_invariant=meta["batch_invariant"],
-      backend=meta["backend"],
-      interpret=meta["interpret"],
-    )
+    _check_meta_fields(source, meta)
+    try:
+      model_config = ModelConfig(**meta["model_config"])
+      cache_config = CacheConfig(**meta["cache_config"])
+      params = jax.eval_shape(lambda: init_params(model_config))
+      engine = Engine(
+        model_config,
+        cache_config,
+        scheduler=meta["scheduler"],
+        seed=meta["seed"],
+        params=params,
+        batch_invariant=meta["batch_invariant"],
+        backend=meta["backend"],
+        interpret=meta["interpret"],
+      )
+    except (TypeError, ValueError) as err:
+      raise ValueError(
+        f"{str(source)!r}: its 'meta' does not describe a valid engine ({err})"
+      ) from err
     skeleton = dict(params=params, pool=engine.pool)
     if meta["has_cache"]:
       dummy = [dict(input_tok_ids=[0], output_toks=1)]
@@ -242,21 +289,36 @@ def restore(path) -> tuple[Engine, Generation | None]:
         {**rec, "input_tok_ids": np.asarray(rec["input_tok_ids"], np.int64)}
         for rec in g["records"]
       ]
-      gen = Generation(
-        engine,
-        records,
-        np.asarray(g["salt"], np.uint32).reshape(-1, 2),
-        g["seed"],
-        g["temperature"],
-        g["eos_id"],
-        g["return_logits"],
-      )
+      try:
+        gen = Generation(
+          engine,
+          records,
+          np.asarray(g["salt"], np.uint32).reshape(-1, 2),
+          g["seed"],
+          g["temperature"],
+          g["eos_id"],
+          g["return_logits"],
+        )
+      except (TypeError, ValueError, KeyError) as err:
+        raise ValueError(
+          f"{str(source)!r}: its 'meta' does not describe a valid generation "
+          f"({type(err).__name__}: {err})"
+        ) from err
       parts = _generation_arrays(gen)
       if gen.return_logits and any(g["outputs"]):
         rows = sum(len(o) for o in g["outputs"])
         parts["logits"] = np.zeros((rows, model_config.vocab_size), np.float32)
       args["generation"] = ocp.args.StandardRestore(_abstract(parts))
-    got = ckpt.restore(source, args=ocp.args.Composite(**args))
+    try:
+      got = ckpt.restore(source, args=ocp.args.Composite(**args))
+    except (ValueError, TypeError, KeyError, OSError) as err:
+      # Damaged or missing array files, or arrays of other shapes than the
+      # meta's configs give: orbax / TensorStore name the inner file.
+      raise ValueError(
+        f"{str(source)!r}: its arrays cannot be restored (a damaged "
+        f"checkpoint, or one whose arrays do not match its 'meta'): "
+        f"{type(err).__name__}: {err}"
+      ) from err
   arrays = got["engine"]
   check_params(arrays["params"], model_config)  # NaN / inf written or damaged
   engine.params, engine.pool = arrays["params"], arrays["pool"]
