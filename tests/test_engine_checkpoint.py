@@ -134,6 +134,31 @@ def test_an_idle_engine_round_trips_its_cache(rng, tmp_path):
   assert _digest(a.logits) == _digest(b.logits)
 
 
+def test_a_restored_engine_compiles_nothing_the_saved_one_compiled(
+  rng, tmp_path, caplog
+):
+  """Restored arrays were committed to device 0, and jit keys its programs
+  on committed shardings: a restored engine compiled every program again
+  (in a new process the persistent cache missed them all: 28 s against
+  5 s for the checkpoint test above)."""
+  import logging
+  import re
+
+  import jax
+
+  prompts = [_ids(rng, rng.integers(20, 60)) for _ in range(3)]
+  eng = Engine(MODEL, CFG, seed=int(rng.integers(100)))
+  first = eng.generate(prompts, 4)
+  eng.save(tmp_path / "c")
+  back, _ = Engine.restore(tmp_path / "c")
+  caplog.clear()
+  with caplog.at_level(logging.DEBUG), jax.log_compiles(True):
+    again = back.generate(prompts, 4)
+  assert re.findall(r"Compiling jit\((\w+)\)", caplog.text) == []
+  assert again.tokens == first.tokens
+  assert again.stats["hit_tokens"] > 0
+
+
 def test_checkpoint_errors(rng, tmp_path):
   eng = Engine(MODEL, CFG)
   eng.save(tmp_path / "x")
