@@ -22,7 +22,6 @@ same bits.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 
 import jax
@@ -31,7 +30,13 @@ import orbax.checkpoint as ocp
 
 from prefixjax.configs import ModelConfig
 from prefixjax.model.engine import CacheConfig, Engine, Generation
-from prefixjax.model.llama import check_params, checkpoint_path, init_params
+from prefixjax.model.llama import (
+  check_params,
+  checkpoint_path,
+  drop_closed_loop_noise,
+  host_targets,
+  init_params,
+)
 from prefixjax.serving import schedulers as sch
 from prefixjax.serving.simulate import build_inputs
 
@@ -180,43 +185,6 @@ def save(engine: Engine, path, generation: Generation | None = None) -> None:
     ckpt.save(target, args=ocp.args.Composite(**args))
 
 
-def _abstract(tree):
-  """Host (numpy) targets of ``tree``'s shapes: orbax restores into numpy,
-  and :func:`restore` puts the arrays on the default device uncommitted,
-  as a fresh engine holds them. Restored as committed device arrays, every
-  program compiled again for them (jit keys on committed shardings), and
-  again when fresh and restored arrays met: a restored engine compiled its
-  scheduler step four times, a fresh one twice."""
-  return jax.tree.map(lambda a: np.empty(np.shape(a), a.dtype), tree)
-
-
-def _drop_closed_loop_noise() -> None:
-  """Drops the "Event loop is closed" reports a failed array restore leaves.
-
-  When one array of a checkpoint cannot be read, orbax's restore fails and
-  closes its asyncio event loop while TensorStore still has reads in
-  flight; each read that completes later hands its result to the closed
-  loop, and Python prints "Exception ignored ... RuntimeError: Event loop
-  is closed" for it (18 for the tiny model; orbax-checkpoint 0.12.8,
-  tensorstore 0.1.86), after :func:`restore` has raised its ValueError. Those
-  reports say nothing more; this wraps ``sys.unraisablehook`` (once per
-  process) to drop exactly that RuntimeError and pass everything else to
-  the hook it replaces.
-  """
-  previous = sys.unraisablehook
-  if getattr(previous, "_drops_closed_loop_noise", False):
-    return
-
-  def hook(unraisable):
-    err = unraisable.exc_value
-    if isinstance(err, RuntimeError) and str(err) == "Event loop is closed":
-      return
-    previous(unraisable)
-
-  hook._drops_closed_loop_noise = True
-  sys.unraisablehook = hook
-
-
 _META_FIELDS = (
   "model_config",
   "cache_config",
@@ -312,7 +280,7 @@ def restore(path) -> tuple[Engine, Generation | None]:
     if meta["has_cache"]:
       dummy = [dict(input_tok_ids=[0], output_toks=1)]
       skeleton["cache"] = build_inputs(dummy, engine.serving)[0].cache
-    args = dict(engine=ocp.args.StandardRestore(_abstract(skeleton)))
+    args = dict(engine=ocp.args.StandardRestore(host_targets(skeleton)))
     g = meta.get("generation")
     gen = None
     if g is not None:
@@ -339,13 +307,13 @@ def restore(path) -> tuple[Engine, Generation | None]:
       if gen.return_logits and any(g["outputs"]):
         rows = sum(len(o) for o in g["outputs"])
         parts["logits"] = np.zeros((rows, model_config.vocab_size), np.float32)
-      args["generation"] = ocp.args.StandardRestore(_abstract(parts))
+      args["generation"] = ocp.args.StandardRestore(host_targets(parts))
     try:
       got = ckpt.restore(source, args=ocp.args.Composite(**args))
     except (ValueError, TypeError, KeyError, OSError) as err:
       # Damaged or missing array files, or arrays of other shapes than the
       # meta's configs give: orbax / TensorStore name the inner file.
-      _drop_closed_loop_noise()
+      drop_closed_loop_noise()
       raise ValueError(
         f"{str(source)!r}: its arrays cannot be restored (a damaged "
         f"checkpoint, or one whose arrays do not match its 'meta'): "
