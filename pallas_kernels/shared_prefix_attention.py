@@ -81,6 +81,44 @@ def group_layout(
   return members, member_valid, counts, rank
 
 
+def _check_groups(
+  prefix_block_tables,
+  prefix_lengths,
+  group_of,
+  suffix_block_tables,
+  suffix_lengths,
+  *,
+  batch: int,
+  num_pages: int,
+  page_size: int,
+) -> None:
+  """The prefix / suffix tables, their lengths and ``group_of``: int32 of
+  matching shapes; for concrete values, page ids in ``[0, num_pages)``,
+  lengths within their tables, whole-page prefixes, groups in range."""
+  num_groups = prefix_block_tables.shape[0]
+  check_tables(
+    "prefix_block_tables",
+    prefix_block_tables,
+    "prefix_lengths",
+    prefix_lengths,
+    num_groups,
+    num_pages,
+    page_size,
+  )
+  check_tables(
+    "suffix_block_tables",
+    suffix_block_tables,
+    "suffix_lengths",
+    suffix_lengths,
+    batch,
+    num_pages,
+    page_size,
+  )
+  _common.check_int_array("group_of", group_of, (batch,), "one per request")
+  _common.check_range("group_of", group_of, 0, num_groups)
+  _common.check_whole_pages("prefix_lengths", prefix_lengths, page_size)
+
+
 def concat_block_tables(
   prefix_block_tables: jax.Array,  # [G, Pp]
   prefix_lengths: jax.Array,  # [G]
@@ -105,29 +143,18 @@ def concat_block_tables(
   page_size = _common.check_page_size(page_size)
   _common.check_rank("prefix_block_tables", prefix_block_tables, 2, "[G, Pp]")
   _common.check_rank("suffix_block_tables", suffix_block_tables, 2, "[B, Ps]")
-  num_groups, batch = prefix_block_tables.shape[0], suffix_block_tables.shape[0]
+  batch = suffix_block_tables.shape[0]
   any_page = int(np.iinfo(np.int32).max)
-  check_tables(
-    "prefix_block_tables",
+  _check_groups(
     prefix_block_tables,
-    "prefix_lengths",
     prefix_lengths,
-    num_groups,
-    any_page,
-    page_size,
-  )
-  check_tables(
-    "suffix_block_tables",
+    group_of,
     suffix_block_tables,
-    "suffix_lengths",
     suffix_lengths,
-    batch,
-    any_page,
-    page_size,
+    batch=batch,
+    num_pages=any_page,
+    page_size=page_size,
   )
-  _common.check_int_array("group_of", group_of, (batch,), "one per request")
-  _common.check_range("group_of", group_of, 0, num_groups)
-  _common.check_whole_pages("prefix_lengths", prefix_lengths, page_size)
   return _concat_block_tables(
     prefix_block_tables,
     prefix_lengths,
@@ -349,27 +376,16 @@ def shared_prefix_attention(
       f"q batch={batch} and prefix_block_tables groups={num_groups} must be "
       "positive."
     )
-  check_tables(
-    "prefix_block_tables",
+  _check_groups(
     prefix_block_tables,
-    "prefix_lengths",
     prefix_lengths,
-    num_groups,
-    num_pages,
-    page_size,
-  )
-  check_tables(
-    "suffix_block_tables",
+    group_of,
     suffix_block_tables,
-    "suffix_lengths",
     suffix_lengths,
-    batch,
-    num_pages,
-    page_size,
+    batch=batch,
+    num_pages=num_pages,
+    page_size=page_size,
   )
-  _common.check_int_array("group_of", group_of, (batch,), "one per request")
-  _common.check_range("group_of", group_of, 0, num_groups)
-  _common.check_whole_pages("prefix_lengths", prefix_lengths, page_size)
   largest = None
   if _common.is_concrete(group_of):
     largest = int(np.bincount(_common.host(group_of), minlength=1).max())
