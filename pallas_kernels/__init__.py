@@ -24,7 +24,12 @@ implementation: shapes and dtypes always, and values (page ids, lengths,
 slots, group ids) when the arrays are concrete. Under a caller's ``jit`` the
 value checks are skipped (the arrays are tracers), so hot loops should call
 the kernels inside ``jit``; eager calls pay a device-to-host copy of the
-integer arguments for the checks.
+integer arguments for the checks. Inside ``jit`` the attention kernels turn
+what those checks would refuse (page ids outside the pool in a used column,
+lengths outside their tables, bad offsets or group ids, partial prefix
+pages) into NaN rows for the requests concerned; the kernel reads page 0
+in their place, so no copy leaves the pool. ``write_kv`` and
+``copy_blocks`` drop out-of-range slots and pages.
 """
 
 from pallas_kernels._dispatch import (

@@ -167,6 +167,47 @@ def check_whole_pages(name: str, lengths: Any, page_size: int) -> None:
     )
 
 
+def unreadable_rows(
+  tables: jax.Array, lengths: jax.Array, num_pages: int, page_size: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Rows a jitted kernel cannot read, and tables and lengths safe to read.
+
+  Under a caller's ``jit`` the values of ``tables [R, P]`` and ``lengths
+  [R]`` cannot be checked before the call. A row is unreadable when its
+  length lies outside ``[0, P * K]`` or a page column it uses (``c <
+  ceil(length / K)``) holds an id outside ``[0, num_pages)``: read as
+  given, such an id would be clamped (or, negative, wrap) to another
+  sequence's page, silently. The callers set those rows' outputs to NaN,
+  a visible failure, and give the kernel the safe tables (bad ids replaced
+  by page 0) and lengths (clipped), so no DMA leaves the pool.
+
+  Returns:
+    ``(bad [R] bool, safe_tables [R, P] int32, safe_lengths [R] int32)``.
+  """
+  width = tables.shape[1]
+  pages = (jnp.clip(lengths, 0, width * page_size) + page_size - 1) // (
+    page_size
+  )
+  used = jnp.arange(width, dtype=jnp.int32)[None, :] < pages[:, None]
+  bad_id = (tables < 0) | (tables >= num_pages)
+  bad = jnp.any(used & bad_id, axis=1)
+  bad |= (lengths < 0) | (lengths > width * page_size)
+  safe_tables = jnp.where(bad_id, 0, tables).astype(jnp.int32)
+  safe_lengths = jnp.clip(lengths, 0, width * page_size).astype(jnp.int32)
+  return bad, safe_tables, safe_lengths
+
+
+def nan_rows(outputs: Any, bad: jax.Array) -> Any:
+  """Every array of ``outputs`` (leading axis ``R``) NaN in the ``bad``
+  rows."""
+
+  def one(x):
+    mask = bad.reshape(bad.shape + (1,) * (x.ndim - 1))
+    return jnp.where(mask, jnp.nan, x).astype(x.dtype)
+
+  return jax.tree.map(one, outputs)
+
+
 def check_flag(name: str, value) -> bool:
   """``value`` as a bool; anything but a bool (``"no"`` is truthy) is a
   TypeError."""

@@ -103,14 +103,29 @@ def copy_blocks_reference(
 
 @functools.partial(jax.jit, static_argnames=("backend", "interpret"))
 def _copy_blocks(k_pages, v_pages, src, dst, *, backend, interpret):
+  # Under a caller's jit the ids cannot be checked first. A pair naming a
+  # page past the pool is not copied (a source read there was clamped to
+  # the last page, or left the pool in the kernel's DMA); a destination in
+  # the pool whose source is past it is filled with NaN, so attention that
+  # reads it shows the fault instead of the page's stale contents.
+  num_pages = k_pages.shape[1]
+  past = (src >= num_pages) | (dst >= num_pages)
+  poisoned = jnp.where((src >= num_pages) & (dst >= 0), dst, num_pages)
+  src = jnp.where(past, -1, src)
+  dst = jnp.where(past, -1, dst)
   if backend == "reference":
-    return copy_blocks_reference(k_pages, v_pages, src, dst)
-  impl = (
-    copy_blocks_unbatched
-    if backend == "pallas_tpu"
-    else gpu_variant("copy_blocks").copy_blocks_unbatched
+    k_pages, v_pages = copy_blocks_reference(k_pages, v_pages, src, dst)
+  else:
+    impl = (
+      copy_blocks_unbatched
+      if backend == "pallas_tpu"
+      else gpu_variant("copy_blocks").copy_blocks_unbatched
+    )
+    k_pages, v_pages = impl(k_pages, v_pages, src, dst, interpret=interpret)
+  return tuple(
+    pages.at[:, poisoned].set(jnp.nan, mode="drop")
+    for pages in (k_pages, v_pages)
   )
-  return impl(k_pages, v_pages, src, dst, interpret=interpret)
 
 
 def copy_blocks(

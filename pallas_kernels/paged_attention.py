@@ -317,6 +317,37 @@ def _paged_attention(
   backend,
   interpret,
 ):
+  # Traced page ids or lengths out of range: those rows NaN (see
+  # _common.unreadable_rows), never another sequence's pages.
+  bad, block_tables, lengths = _common.unreadable_rows(
+    block_tables, lengths, k_pages.shape[1], k_pages.shape[2]
+  )
+  out = _paged_attention_rows(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    lengths,
+    scale=scale,
+    return_lse=return_lse,
+    backend=backend,
+    interpret=interpret,
+  )
+  return _common.nan_rows(out, bad)
+
+
+def _paged_attention_rows(
+  q,
+  k_pages,
+  v_pages,
+  block_tables,
+  lengths,
+  *,
+  scale,
+  return_lse,
+  backend,
+  interpret,
+):
   if backend == "reference":
     return paged_attention_reference(
       q,

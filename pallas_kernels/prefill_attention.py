@@ -153,6 +153,51 @@ def _prefill_attention(
   backend,
   interpret,
 ):
+  # Traced values out of range (page ids, kv lengths, offsets that are not
+  # non-decreasing from 0 within the T tokens, more new tokens than kv
+  # tokens): the tokens of those sequences NaN, never other pages' keys
+  # (see _common.unreadable_rows); bad offsets make every token NaN.
+  num_tokens = q.shape[0]
+  bad_seq, block_tables, kv_lengths = _common.unreadable_rows(
+    block_tables, kv_lengths, k_pages.shape[1], k_pages.shape[2]
+  )
+  q_lengths = cu_q_lengths[1:] - cu_q_lengths[:-1]
+  bad_seq |= q_lengths > kv_lengths
+  offsets_bad = (
+    (cu_q_lengths[0] != 0)
+    | jnp.any(q_lengths < 0)
+    | (cu_q_lengths[-1] > num_tokens)
+  )
+  seq, _, _, valid = token_positions(cu_q_lengths, kv_lengths, num_tokens)
+  bad = offsets_bad | (valid & bad_seq[seq])
+  out = _prefill_rows(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    kv_lengths,
+    cu_q_lengths,
+    scale=scale,
+    block_q=block_q,
+    backend=backend,
+    interpret=interpret,
+  )
+  return _common.nan_rows(out, bad)
+
+
+def _prefill_rows(
+  q,
+  k_pages,
+  v_pages,
+  block_tables,
+  kv_lengths,
+  cu_q_lengths,
+  *,
+  scale,
+  block_q,
+  backend,
+  interpret,
+):
   if backend == "reference":
     return prefill_attention_reference(
       q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lengths, scale=scale

@@ -244,6 +244,55 @@ def _shared_prefix_attention(
   backend,
   interpret,
 ):
+  # Traced values out of range (page ids, lengths, partial prefix pages,
+  # group ids): those requests' rows NaN (see _common.unreadable_rows).
+  num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
+  num_groups = prefix_block_tables.shape[0]
+  prefix_bad, prefix_block_tables, whole = _common.unreadable_rows(
+    prefix_block_tables, prefix_lengths, num_pages, page_size
+  )
+  prefix_bad |= whole % page_size != 0
+  prefix_lengths = whole - whole % page_size
+  bad, suffix_block_tables, suffix_lengths = _common.unreadable_rows(
+    suffix_block_tables, suffix_lengths, num_pages, page_size
+  )
+  outside = (group_of < 0) | (group_of >= num_groups)
+  group_of = jnp.clip(group_of, 0, num_groups - 1).astype(jnp.int32)
+  bad |= outside | prefix_bad[group_of]
+  out = _shared_prefix_rows(
+    q,
+    k_pages,
+    v_pages,
+    prefix_block_tables,
+    prefix_lengths,
+    group_of,
+    suffix_block_tables,
+    suffix_lengths,
+    scale=scale,
+    return_lse=return_lse,
+    max_group_size=max_group_size,
+    backend=backend,
+    interpret=interpret,
+  )
+  return _common.nan_rows(out, bad)
+
+
+def _shared_prefix_rows(
+  q,
+  k_pages,
+  v_pages,
+  prefix_block_tables,
+  prefix_lengths,
+  group_of,
+  suffix_block_tables,
+  suffix_lengths,
+  *,
+  scale,
+  return_lse,
+  max_group_size,
+  backend,
+  interpret,
+):
   if backend == "reference":
     return shared_prefix_attention_reference(
       q,

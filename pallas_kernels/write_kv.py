@@ -130,6 +130,10 @@ def write_kv_reference(
 def _write_kv(
   k_pages, v_pages, k_new, v_new, slot_mapping, *, backend, interpret
 ):
+  # Under a caller's jit the slots cannot be checked first: a slot past the
+  # pool is skipped like a negative one (the kernel's DMA wrote past it).
+  slots = k_pages.shape[1] * k_pages.shape[2]
+  slot_mapping = jnp.where(slot_mapping >= slots, -1, slot_mapping)
   if backend == "reference":
     return write_kv_reference(k_pages, v_pages, k_new, v_new, slot_mapping)
   impl = (

@@ -483,3 +483,167 @@ def test_prefer_shared_prefix_checks_its_arguments(args, kw, error, match):
   kw = {"page_size": 8, **kw}
   with pytest.raises(error, match=match):
     pk.prefer_shared_prefix(*(np.asarray(a) for a in args), **kw)
+
+
+JIT_BACKENDS = [
+  dict(backend="reference"),
+  dict(backend="pallas_tpu", interpret=True),
+]
+
+
+def _pool(rng, num_pages=6):
+  k = jnp.asarray(rng.standard_normal((2, num_pages, 8, 32)), F32)
+  v = jnp.asarray(rng.standard_normal((2, num_pages, 8, 32)), F32)
+  return k, v
+
+
+def _assert_nan_rows(got, want, bad):
+  got, want = np.asarray(got), np.asarray(want)
+  assert np.isnan(got[bad]).all()
+  np.testing.assert_allclose(got[~bad], want[~bad], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw", JIT_BACKENDS, ids=lambda kw: kw["backend"])
+def test_traced_out_of_range_pages_give_nan_rows_not_other_pages(rng, kw):
+  """Under jit the page ids cannot be checked: an id past the pool was read
+  as the last page, -1 as the last page too (Python wrap), a length past
+  the table read truncated. Those rows are NaN now; the others unchanged,
+  and an out-of-range id in a column the row does not use is harmless."""
+  k, v = _pool(rng)
+  q = jnp.asarray(rng.standard_normal((5, 4, 32)), F32)
+  tables = rng.integers(0, 6, (5, 3)).astype(np.int32)
+  lengths = rng.integers(1, 25, 5).astype(np.int32)
+  lengths[0] = 8  # one page: column 1 unused
+  tables[0, 1] = -1
+  row = int(rng.integers(1, 5))
+  tables[row, int(rng.integers(0, -(-lengths[row] // 8)))] = int(
+    rng.choice([6, 1000, -1, -7])
+  )
+  other = 4 if row != 4 else 3
+  lengths[other] = 3 * 8 + int(rng.integers(1, 9))  # past the table
+  bad = np.zeros(5, bool)
+  bad[[row, other]] = True
+  run = jax.jit(
+    lambda t, n: pk.paged_attention(q, k, v, t, n, return_lse=True, **kw)
+  )
+  o, lse = run(jnp.asarray(tables), jnp.asarray(lengths))
+  safe_t = np.where((tables < 0) | (tables >= 6), 0, tables)
+  safe_n = np.minimum(lengths, 24)
+  o_ref, lse_ref = pk.paged_attention_reference(
+    q, k, v, jnp.asarray(safe_t), jnp.asarray(safe_n), return_lse=True
+  )
+  _assert_nan_rows(o, o_ref, bad)
+  _assert_nan_rows(lse, lse_ref, bad)
+
+
+@pytest.mark.parametrize("kw", JIT_BACKENDS, ids=lambda kw: kw["backend"])
+def test_traced_bad_groups_and_prefixes_give_nan_rows(rng, kw):
+  """A group id past the groups, a prefix of a partial page or with a page
+  id past the pool: the requests they touch are NaN, the rest unchanged."""
+  k, v = _pool(rng)
+  args = shared_args(
+    q=jnp.asarray(rng.standard_normal((4, 4, 32)), F32),
+    group_of=jnp.array([0, 1, 0, 1], I32),
+    suffix_block_tables=jnp.array([[4], [5], [0], [2]], I32),
+    suffix_lengths=jnp.array([3, 8, 0, 5], I32),
+  )
+  args.update(k_pages=k, v_pages=v)
+  fault = str(rng.choice(["group", "partial", "page"]))
+  group_of = np.array([0, 1, 0, 1], np.int32)
+  prefix_lengths = np.array([16, 8], np.int32)
+  prefix_tables = np.array([[1, 2], [3, 0]], np.int32)
+  if fault == "group":
+    group_of[3] = int(rng.choice([2, -1]))
+    bad = np.array([False, False, False, True])
+  elif fault == "partial":
+    prefix_lengths[1] = 5
+    bad = np.array([False, True, False, True])
+  else:
+    prefix_tables[0, 1] = 6
+    bad = np.array([True, False, True, False])
+
+  def call(g, n, t):
+    a = dict(args, group_of=g, prefix_lengths=n, prefix_block_tables=t)
+    return pk.shared_prefix_attention(**a, max_group_size=4, **kw)
+
+  got = jax.jit(call)(
+    jnp.asarray(group_of),
+    jnp.asarray(prefix_lengths),
+    jnp.asarray(prefix_tables),
+  )
+  want = call(
+    jnp.array([0, 1, 0, 1], I32),
+    jnp.array([16, 8], I32),
+    args["prefix_block_tables"],
+  )
+  _assert_nan_rows(got, want, bad)
+
+
+@pytest.mark.parametrize("kw", JIT_BACKENDS, ids=lambda kw: kw["backend"])
+def test_traced_bad_prefill_sequences_give_nan_tokens(rng, kw):
+  """A sequence whose pages lie past the pool (or with more new tokens than
+  kv tokens) gets NaN tokens; offsets that are not valid make every token
+  NaN."""
+  k, v = _pool(rng)
+  args = prefill_args(
+    q=jnp.asarray(rng.standard_normal((6, 4, 32)), F32), k_pages=k, v_pages=v
+  )
+  tables = np.array([[1, 2], [3, 0]], np.int32)
+  kv = np.array([12, 2], np.int32)
+  fault = str(rng.choice(["page", "longer"]))
+  if fault == "page":
+    tables[1, 0] = 9
+  else:
+    kv[1] = 1  # two new tokens, one kv token
+  bad = np.array([False] * 4 + [True] * 2)
+
+  def call(t, n, cu):
+    return pk.prefill_attention(
+      **dict(args, block_tables=t, kv_lengths=n, cu_q_lengths=cu), **kw
+    )
+
+  cu = jnp.array([0, 4, 6], I32)
+  got = jax.jit(call)(jnp.asarray(tables), jnp.asarray(kv), cu)
+  want = call(args["block_tables"], args["kv_lengths"], cu)
+  _assert_nan_rows(got, want, bad)
+  all_bad = jax.jit(call)(
+    args["block_tables"], args["kv_lengths"], jnp.array([1, 4, 6], I32)
+  )
+  assert np.isnan(np.asarray(all_bad)).all()
+
+
+@pytest.mark.parametrize("kw", JIT_BACKENDS, ids=lambda kw: kw["backend"])
+def test_traced_pages_and_slots_past_the_pool_touch_nothing_else(rng, kw):
+  """copy_blocks under jit copied the last page for a source past the pool
+  (the reference) or read past it (the kernel's DMA); write_kv's kernel
+  wrote past the pool for a slot past it. Now a copy from past the pool
+  fills its destination with NaN, one to past the pool is dropped, and a
+  write past the pool is skipped; every other page is as the valid pairs
+  and slots alone leave it."""
+  k, v = _pool(rng)
+  good_src, good_dst = int(rng.integers(0, 3)), int(rng.integers(3, 6))
+  victim = int(
+    rng.choice([d for d in range(6) if d not in (good_src, good_dst)])
+  )
+  src = jnp.array([good_src, 6 + int(rng.integers(0, 50)), good_src], I32)
+  dst = jnp.array([good_dst, victim, 6 + int(rng.integers(0, 50))], I32)
+  ko, vo = jax.jit(lambda s, d: pk.copy_blocks(k, v, s, d, **kw))(src, dst)
+  want_k, want_v = pk.copy_blocks_reference(
+    k, v, jnp.array([good_src], I32), jnp.array([good_dst], I32)
+  )
+  for got, want in ((ko, want_k), (vo, want_v)):
+    got, want = np.asarray(got), np.asarray(want)
+    assert np.isnan(got[:, victim]).all()
+    rest = [p for p in range(6) if p != victim]
+    np.testing.assert_array_equal(got[:, rest], want[:, rest])
+
+  k_new = jnp.asarray(rng.standard_normal((3, 2, 32)), F32)
+  v_new = jnp.asarray(rng.standard_normal((3, 2, 32)), F32)
+  slot = int(rng.integers(0, 48))
+  slots = jnp.array([slot, 48 + int(rng.integers(0, 100)), -1], I32)
+  ko, vo = jax.jit(lambda s: pk.write_kv(k, v, k_new, v_new, s, **kw))(slots)
+  want = pk.write_kv_reference(
+    k, v, k_new[:1], v_new[:1], jnp.array([slot], I32)
+  )
+  np.testing.assert_array_equal(np.asarray(ko), np.asarray(want[0]))
+  np.testing.assert_array_equal(np.asarray(vo), np.asarray(want[1]))
