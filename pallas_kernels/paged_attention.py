@@ -322,34 +322,8 @@ def _paged_attention(
   bad, block_tables, lengths = _common.unreadable_rows(
     block_tables, lengths, k_pages.shape[1], k_pages.shape[2]
   )
-  out = _paged_attention_rows(
-    q,
-    k_pages,
-    v_pages,
-    block_tables,
-    lengths,
-    scale=scale,
-    return_lse=return_lse,
-    backend=backend,
-    interpret=interpret,
-  )
-  return _common.nan_rows(out, bad)
-
-
-def _paged_attention_rows(
-  q,
-  k_pages,
-  v_pages,
-  block_tables,
-  lengths,
-  *,
-  scale,
-  return_lse,
-  backend,
-  interpret,
-):
   if backend == "reference":
-    return paged_attention_reference(
+    out = paged_attention_reference(
       q,
       k_pages,
       v_pages,
@@ -358,22 +332,24 @@ def _paged_attention_rows(
       scale=scale,
       return_lse=return_lse,
     )
-  batch, num_q_heads, head_dim = q.shape
-  num_kv_heads = k_pages.shape[0]
-  group = num_q_heads // num_kv_heads
-  o, lse = paged_flash(
-    q.reshape(batch, num_kv_heads, group, head_dim),
-    k_pages,
-    v_pages,
-    block_tables,
-    lengths,
-    lengths - 1,
-    scale=scale,
-    rows_per_token=group,
-    backend=backend,
-    interpret=interpret,
-  )
-  return decode_outputs(q, o, lse, return_lse)
+  else:
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[0]
+    group = num_q_heads // num_kv_heads
+    o, lse = paged_flash(
+      q.reshape(batch, num_kv_heads, group, head_dim),
+      k_pages,
+      v_pages,
+      block_tables,
+      lengths,
+      lengths - 1,
+      scale=scale,
+      rows_per_token=group,
+      backend=backend,
+      interpret=interpret,
+    )
+    out = decode_outputs(q, o, lse, return_lse)
+  return _common.nan_rows(out, bad)
 
 
 def check_tables(

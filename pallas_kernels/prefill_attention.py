@@ -168,41 +168,16 @@ def _prefill_attention(
     | jnp.any(q_lengths < 0)
     | (cu_q_lengths[-1] > num_tokens)
   )
-  seq, _, _, valid = token_positions(cu_q_lengths, kv_lengths, num_tokens)
+  seq, local, _, valid = token_positions(cu_q_lengths, kv_lengths, num_tokens)
   bad = offsets_bad | (valid & bad_seq[seq])
-  out = _prefill_rows(
-    q,
-    k_pages,
-    v_pages,
-    block_tables,
-    kv_lengths,
-    cu_q_lengths,
-    scale=scale,
-    block_q=block_q,
-    backend=backend,
-    interpret=interpret,
-  )
-  return _common.nan_rows(out, bad)
-
-
-def _prefill_rows(
-  q,
-  k_pages,
-  v_pages,
-  block_tables,
-  kv_lengths,
-  cu_q_lengths,
-  *,
-  scale,
-  block_q,
-  backend,
-  interpret,
-):
   if backend == "reference":
-    return prefill_attention_reference(
-      q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lengths, scale=scale
+    return _common.nan_rows(
+      prefill_attention_reference(
+        q, k_pages, v_pages, block_tables, kv_lengths, cu_q_lengths, scale=scale
+      ),
+      bad,
     )
-  num_tokens, num_q_heads, head_dim = q.shape
+  _, num_q_heads, head_dim = q.shape
   num_kv_heads = k_pages.shape[0]
   group = num_q_heads // num_kv_heads
   tiles = tile_layout(cu_q_lengths, kv_lengths, num_tokens, block_q)
@@ -232,11 +207,10 @@ def _prefill_rows(
   o_tiles = o_tiles.transpose(0, 2, 1, 3, 4).reshape(
     num_tiles * block_q, num_q_heads, head_dim
   )
-  seq, local, _, valid = token_positions(cu_q_lengths, kv_lengths, num_tokens)
   flat = (tiles["tile_start"][seq] + local // block_q) * block_q
   flat = jnp.clip(flat + local % block_q, 0, num_tiles * block_q - 1)
   o = jnp.where(valid[:, None, None], o_tiles[flat], 0.0)
-  return o.astype(q.dtype)
+  return _common.nan_rows(o.astype(q.dtype), bad)
 
 
 def prefill_attention(

@@ -259,57 +259,25 @@ def _shared_prefix_attention(
   outside = (group_of < 0) | (group_of >= num_groups)
   group_of = jnp.clip(group_of, 0, num_groups - 1).astype(jnp.int32)
   bad |= outside | prefix_bad[group_of]
-  out = _shared_prefix_rows(
-    q,
-    k_pages,
-    v_pages,
-    prefix_block_tables,
-    prefix_lengths,
-    group_of,
-    suffix_block_tables,
-    suffix_lengths,
-    scale=scale,
-    return_lse=return_lse,
-    max_group_size=max_group_size,
-    backend=backend,
-    interpret=interpret,
-  )
-  return _common.nan_rows(out, bad)
-
-
-def _shared_prefix_rows(
-  q,
-  k_pages,
-  v_pages,
-  prefix_block_tables,
-  prefix_lengths,
-  group_of,
-  suffix_block_tables,
-  suffix_lengths,
-  *,
-  scale,
-  return_lse,
-  max_group_size,
-  backend,
-  interpret,
-):
   if backend == "reference":
-    return shared_prefix_attention_reference(
-      q,
-      k_pages,
-      v_pages,
-      prefix_block_tables,
-      prefix_lengths,
-      group_of,
-      suffix_block_tables,
-      suffix_lengths,
-      scale=scale,
-      return_lse=return_lse,
+    return _common.nan_rows(
+      shared_prefix_attention_reference(
+        q,
+        k_pages,
+        v_pages,
+        prefix_block_tables,
+        prefix_lengths,
+        group_of,
+        suffix_block_tables,
+        suffix_lengths,
+        scale=scale,
+        return_lse=return_lse,
+      ),
+      bad,
     )
   batch, num_q_heads, head_dim = q.shape
   num_kv_heads = k_pages.shape[0]
   group = num_q_heads // num_kv_heads
-  num_groups = prefix_block_tables.shape[0]
   size = max_group_size
   members, member_valid, counts, rank = group_layout(group_of, num_groups, size)
   # [G, M, Hq, D] -> [G, Hkv, M * g, D]: all rows that share a prefix page.
@@ -354,7 +322,7 @@ def _shared_prefix_rows(
   over = (rank >= size)[:, None, None, None]
   o = jnp.where(over, jnp.nan, o)
   lse = jnp.where(over, jnp.nan, lse)
-  return decode_outputs(q, o, lse, return_lse)
+  return _common.nan_rows(decode_outputs(q, o, lse, return_lse), bad)
 
 
 def shared_prefix_attention(
