@@ -185,15 +185,12 @@ def unreadable_rows(
     ``(bad [R] bool, safe_tables [R, P] int32, safe_lengths [R] int32)``.
   """
   width = tables.shape[1]
-  pages = (jnp.clip(lengths, 0, width * page_size) + page_size - 1) // (
-    page_size
-  )
+  safe_lengths = jnp.clip(lengths, 0, width * page_size).astype(jnp.int32)
+  pages = (safe_lengths + page_size - 1) // page_size
   used = jnp.arange(width, dtype=jnp.int32)[None, :] < pages[:, None]
   bad_id = (tables < 0) | (tables >= num_pages)
-  bad = jnp.any(used & bad_id, axis=1)
-  bad |= (lengths < 0) | (lengths > width * page_size)
+  bad = jnp.any(used & bad_id, axis=1) | (safe_lengths != lengths)
   safe_tables = jnp.where(bad_id, 0, tables).astype(jnp.int32)
-  safe_lengths = jnp.clip(lengths, 0, width * page_size).astype(jnp.int32)
   return bad, safe_tables, safe_lengths
 
 

@@ -33,9 +33,8 @@ from prefixjax.model.engine import CacheConfig, Engine, Generation
 from prefixjax.model.llama import (
   check_params,
   checkpoint_path,
-  drop_closed_loop_noise,
-  host_targets,
   init_params,
+  restore_on_host,
 )
 from prefixjax.serving import schedulers as sch
 from prefixjax.serving.simulate import build_inputs
@@ -280,7 +279,7 @@ def restore(path) -> tuple[Engine, Generation | None]:
     if meta["has_cache"]:
       dummy = [dict(input_tok_ids=[0], output_toks=1)]
       skeleton["cache"] = build_inputs(dummy, engine.serving)[0].cache
-    args = dict(engine=ocp.args.StandardRestore(host_targets(skeleton)))
+    items = dict(engine=skeleton)
     g = meta.get("generation")
     gen = None
     if g is not None:
@@ -307,18 +306,14 @@ def restore(path) -> tuple[Engine, Generation | None]:
       if gen.return_logits and any(g["outputs"]):
         rows = sum(len(o) for o in g["outputs"])
         parts["logits"] = np.zeros((rows, model_config.vocab_size), np.float32)
-      args["generation"] = ocp.args.StandardRestore(host_targets(parts))
-    try:
-      got = ckpt.restore(source, args=ocp.args.Composite(**args))
-    except (ValueError, TypeError, KeyError, OSError) as err:
-      # Damaged or missing array files, or arrays of other shapes than the
-      # meta's configs give: orbax / TensorStore name the inner file.
-      drop_closed_loop_noise()
-      raise ValueError(
-        f"{str(source)!r}: its arrays cannot be restored (a damaged "
-        f"checkpoint, or one whose arrays do not match its 'meta'): "
-        f"{type(err).__name__}: {err}"
-      ) from err
+      items["generation"] = parts
+    got = restore_on_host(
+      ckpt,
+      source,
+      f"{str(source)!r}: its arrays",
+      "a damaged checkpoint, or one whose arrays do not match its 'meta'",
+      **items,
+    )
   arrays = jax.device_put(got["engine"])
   check_params(arrays["params"], model_config)  # NaN / inf written or damaged
   engine.params, engine.pool = arrays["params"], arrays["pool"]

@@ -695,6 +695,28 @@ def drop_closed_loop_noise() -> None:
   sys.unraisablehook = hook
 
 
+def restore_on_host(checkpointer, source, what: str, why: str, **items):
+  """Orbax-restores ``items`` (name -> a tree of arrays or shapes) into
+  numpy (:func:`host_targets`); the caller puts them on the device.
+
+  Raises:
+    ValueError: ``"{what} cannot be restored ({why}): ..."`` for damaged or
+      missing array files or arrays of other shapes (orbax and TensorStore
+      name only the inner file); the reads left in flight report nothing
+      later (:func:`drop_closed_loop_noise`).
+  """
+  args = {
+    k: ocp.args.StandardRestore(host_targets(v)) for k, v in items.items()
+  }
+  try:
+    return checkpointer.restore(source, args=ocp.args.Composite(**args))
+  except (ValueError, TypeError, KeyError, OSError) as err:
+    drop_closed_loop_noise()
+    raise ValueError(
+      f"{what} cannot be restored ({why}): {type(err).__name__}: {err}"
+    ) from err
+
+
 def restore_params(path, config: ModelConfig) -> dict:
   """Reads a checkpoint :func:`save_params` wrote for ``config``.
 
@@ -722,7 +744,7 @@ def restore_params(path, config: ModelConfig) -> dict:
       f"{str(source)!r} is not a save_params checkpoint (no 'config' and "
       "'params' items)"
     )
-  abstract = host_targets(_abstract_params(config))
+  abstract = _abstract_params(config)
   with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
     saved = checkpointer.restore(
       source, args=ocp.args.Composite(config=ocp.args.JsonRestore())
@@ -739,15 +761,11 @@ def restore_params(path, config: ModelConfig) -> dict:
         f"checkpoint {str(source)!r} was saved for another model config; "
         f"differing fields: {', '.join(differing)}"
       )
-    try:
-      restored = checkpointer.restore(
-        source,
-        args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)),
-      )["params"]
-    except (ValueError, TypeError, KeyError, OSError) as err:
-      drop_closed_loop_noise()
-      raise ValueError(
-        f"checkpoint {str(source)!r}: its params cannot be restored (a "
-        f"damaged checkpoint): {type(err).__name__}: {err}"
-      ) from err
+    restored = restore_on_host(
+      checkpointer,
+      source,
+      f"checkpoint {str(source)!r}: its params",
+      "a damaged checkpoint",
+      params=abstract,
+    )["params"]
   return jax.device_put(restored)
