@@ -7,15 +7,26 @@ Warnings are errors (see ``filterwarnings`` in ``pyproject.toml``).
 
 import os
 
+import xla_flags  # tests/xla_flags.py
+
+# PREFIXJAX_TEST_OPTIMIZED=1 runs the suite on fully optimised programs.
+_ON = ("1", "true", "yes")
+_OPTIMIZED = os.environ.get("PREFIXJAX_TEST_OPTIMIZED", "") in _ON
+# The controller decides the suite's extra XLA flags once (a probe process);
+# workers and subprocesses inherit the decision.
+if xla_flags.ENV not in os.environ:
+  fast = xla_flags.FAST_COMPILE
+  os.environ[xla_flags.ENV] = (
+    fast if not _OPTIMIZED and xla_flags.accepted(fast) else ""
+  )
 # Several fake CPU devices for sharding tests; must be set before jax imports.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("XLA_FLAGS", xla_flags.with_devices(8))
 # Compiling is most of the suite's time on a 2-core CI machine, and the
 # tests check results, not speed: XLA's backend optimisations off
 # (jax_disable_most_optimizations; inherited by the subprocesses and the
 # notebooks' kernels) cut a measured 19% of the wall time (test_routing,
 # test_engine_checkpoint and test_serving_batch: 352 s -> 286 s, 2026-12-02).
-# PREFIXJAX_TEST_OPTIMIZED=1 runs the suite on fully optimised programs.
-if os.environ.get("PREFIXJAX_TEST_OPTIMIZED", "") not in ("1", "true", "yes"):
+if not _OPTIMIZED:
   os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # Tests that call the CLI in this process must not fill the user's cache
 # folders; the compile- and trace-cache tests pass their own explicitly.

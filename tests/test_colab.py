@@ -21,6 +21,7 @@ import time
 import tomllib
 
 import pytest
+import xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "colab").glob("*.ipynb"))
@@ -165,7 +166,8 @@ def kernel_env(tmp_path_factory, monkeypatch):
   temp = home / "tmp"
   temp.mkdir()
   env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
+  # One device as in Colab; the suite's compile flags (tests/xla_flags.py).
+  env["XLA_FLAGS"] = xla_flags.with_devices(None)
   # A cold start as in Colab: not the suite's compilation cache (conftest).
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
   env["PREFIXJAX_COMPILE_CACHE"] = "off"

@@ -16,6 +16,7 @@ import textwrap
 
 import numpy as np
 import pytest
+import xla_flags
 
 from prefixjax.configs import ModelConfig
 from prefixjax.model import CacheConfig, Engine
@@ -94,7 +95,7 @@ def test_a_generation_saved_midway_finishes_the_same_in_a_new_process(
   res = gen.run()
   after = eng.generate(later, 6, return_logits=True)
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
+  env["XLA_FLAGS"] = xla_flags.with_devices(None)
   out = subprocess.run(
     [sys.executable, "-c", _CHILD, str(tmp_path / "ckpt"), json.dumps(later)],
     capture_output=True,

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import xla_flags
 
 from prefixjax import serving
 from prefixjax.routing import (
@@ -412,7 +413,7 @@ def test_replicas_sharded_over_eight_devices_equal_one(rng):
     step_time_ms=10.0,
     vectorize=True,
   )
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = dict(os.environ, XLA_FLAGS=xla_flags.with_devices(8))
   out = subprocess.run(
     [
       sys.executable,

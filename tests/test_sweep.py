@@ -22,6 +22,7 @@ import time
 import jax
 import numpy as np
 import pytest
+import xla_flags
 
 from prefixjax import replay as rp
 from prefixjax import workloads
@@ -968,7 +969,7 @@ block_size = 16
 capacity = [256, 512, 1024]
 """
   path = _write(tmp_path, text)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = dict(os.environ, XLA_FLAGS=xla_flags.with_devices(8))
   probe = subprocess.run(
     [sys.executable, "-c", "import jax; print(len(jax.local_devices()))"],
     check=True,
@@ -1017,7 +1018,7 @@ def _sweep_argv(path, out):
 
 def test_killed_at_any_moment_a_rerun_ends_with_the_clean_rows(rng, tmp_path):
   path = _small_spec(rng, tmp_path, simulate_points=False)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, XLA_FLAGS=xla_flags.with_devices(1))
   start = time.monotonic()
   subprocess.run(
     _sweep_argv(path, tmp_path / "clean"),
@@ -1151,7 +1152,7 @@ def test_two_processes_on_localhost_give_the_rows_of_one(rng, tmp_path):
   """``--distributed`` with 2 processes (jax.distributed on CPU, one
   coordinator on localhost) into one DIR, against a single-process run."""
   path = _small_spec(rng, tmp_path, simulate_points=False)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, XLA_FLAGS=xla_flags.with_devices(1))
   single = tmp_path / "single"
   subprocess.run(
     _sweep_argv(path, single), check=True, capture_output=True, env=env
@@ -1173,7 +1174,7 @@ def test_a_distributed_run_killed_midway_leaves_dir_resumable(rng, tmp_path):
   """Two ``--distributed`` processes, SIGKILLed at a random moment; a
   plain rerun into the same DIR ends with the rows of a clean run."""
   path = _small_spec(rng, tmp_path, simulate_points=False)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, XLA_FLAGS=xla_flags.with_devices(1))
   clean = tmp_path / "clean"
   start = time.monotonic()
   subprocess.run(
