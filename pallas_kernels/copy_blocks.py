@@ -27,11 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _common
-from pallas_kernels._dispatch import (
-  gpu_variant,
-  reference_when_empty,
-  resolve_backend,
-)
+from pallas_kernels._dispatch import gpu_variant, resolve_backend
 
 
 def copy_blocks_kernel(
@@ -183,11 +179,9 @@ def copy_blocks(
       raise ValueError(
         f"dst={d.tolist()} must be distinct and disjoint from src={s.tolist()}."
       )
-  if src.shape[0] == 0:
+  if src.shape[0] == 0:  # nothing to copy (and no Pallas grid to launch)
     return k_pages, v_pages
-  backend, interpret = reference_when_empty(
-    resolve_backend(backend, interpret, kernel="copy_blocks"), src
-  )
+  backend, interpret = resolve_backend(backend, interpret, kernel="copy_blocks")
   return _copy_blocks(
     k_pages, v_pages, src, dst, backend=backend, interpret=interpret
   )
