@@ -21,6 +21,26 @@ def check_int(name: str, value, low: int, high: int | None = None) -> int:
   return int(value)
 
 
+def check_block_size(value) -> int:
+  """``block_size`` as a Python int; refused unless an int in ``[1, 2**31)``
+  (token counts and slot ids are int32 on the device).
+
+  Raises:
+    TypeError: not an int (bools are refused too).
+    ValueError: below 1, or 2**31 or more.
+  """
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"block_size={value!r} must be an int")
+  if value < 1:
+    raise ValueError(f"block_size={value} must be >= 1")
+  if value >= 2**31:
+    raise ValueError(
+      f"block_size={value} must be < 2**31 (token counts are int32 on the "
+      "device)"
+    )
+  return int(value)
+
+
 def memory_limit_bytes() -> tuple[int, str] | None:
   """The default device's memory (an accelerator's ``bytes_limit``), else
   this host's physical memory; ``None`` when neither can be read."""
@@ -41,20 +61,23 @@ def memory_limit_bytes() -> tuple[int, str] | None:
   return int(pages) * int(size), "this host"
 
 
-def check_fits_in_memory(what: str, nbytes: int) -> None:
+def check_fits_in_memory(what: str, nbytes: int, copies: int = 1) -> None:
   """Refuses work whose arrays alone would not fit in memory.
 
   A run that would not fit was killed by the kernel's out-of-memory
   killer (no message at all) or failed with a bare MemoryError; this names
-  the argument that sized it before anything is allocated.
+  the argument that sized it before anything is allocated. ``copies``: how
+  many copies of the arrays the work holds at once at least (a jitted call
+  without donation holds its input and its result: 2).
 
   Raises:
-    ValueError: ``nbytes`` exceeds the memory :func:`memory_limit_bytes`
-      reports.
+    ValueError: ``copies * nbytes`` exceeds the memory
+      :func:`memory_limit_bytes` reports.
   """
   limit = memory_limit_bytes()
-  if limit is not None and nbytes > limit[0]:
+  if limit is not None and copies * nbytes > limit[0]:
+    times = "" if copies == 1 else f" (held {copies} times at once)"
     raise ValueError(
-      f"{what} needs about {nbytes / 2**30:,.1f} GiB for its arrays alone, "
-      f"more than the {limit[0] / 2**30:,.1f} GiB of {limit[1]}"
+      f"{what} needs about {copies * nbytes / 2**30:,.1f} GiB for its arrays "
+      f"alone{times}, more than the {limit[0] / 2**30:,.1f} GiB of {limit[1]}"
     )

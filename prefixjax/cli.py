@@ -186,7 +186,7 @@ def _fraction(text: str) -> float:
   except ValueError:
     raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
   if not 0.0 <= value <= 1.0:
-    raise argparse.ArgumentTypeError(f"{value} must be in [0, 1]")
+    raise argparse.ArgumentTypeError(f"{value} must be in [0, 1)")
   return value
 
 

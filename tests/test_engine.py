@@ -333,6 +333,7 @@ def test_bad_configs_and_arguments_are_refused():
     (([[1] * 256],), {}, "max_model_len=256"),
     (([[1, 2]],), dict(n=0), "n=0"),
     (([[1, 2]],), dict(temperature=-1.0), "temperature"),
+    (([[1, 2]],), dict(temperature=float("inf")), "temperature=inf must be"),
     (([[1, 2]],), dict(eos_id=256), "eos_id"),
   ]
   for args, kw, msg in bad:

@@ -149,6 +149,16 @@ def test_bad_arguments_are_reported():
   tokens = generate_workload("system_prompt", num_requests=4, seed=0)
   with pytest.raises(ValueError, match="block_size=0 must be >= 1"):
     rp.replay(tokens, policy="fifo", capacities=[8], block_size=0)
+  for kw in (
+    dict(policy="fifo"),
+    dict(semantics="vllm"),
+    dict(semantics="sglang"),
+  ):
+    with pytest.raises(ValueError, match=r"block_size=2147483648 must be <"):
+      rp.replay(tokens, capacities=[8], block_size=2**31, **kw)  # int32
+  for capacities in (None, "12", 8):
+    with pytest.raises(TypeError, match="must be a sequence of ints"):
+      rp.replay(tokens, policy="fifo", capacities=capacities)
   with pytest.raises(ValueError, match="publish='late' is a vllm-semantics"):
     rp.replay(tokens, policy="fifo", capacities=[8], publish="late")
   with pytest.raises(ValueError, match="input_length=0"):

@@ -476,8 +476,78 @@ def test_replicas_past_memory_are_refused_before_any_allocation(rng):
   if limit[1] == "this host" and meminfo.exists():
     total_kib = int(meminfo.read_text().split("MemTotal:")[1].split()[0])
     assert abs(limit[0] - total_kib * 1024) <= 0.05 * limit[0]
-  with pytest.raises(ValueError, match=r"replicas=1000000000 needs about"):
+  with pytest.raises(
+    ValueError, match=r"replicas=1000000000 with router 'round_robin' needs"
+  ):
     simulate_cluster(_trace(rng, n=5), CONFIG, replicas=10**9)
+  # The router's own state counts: e2's window of work per replica.
+  window = int(rng.integers(2**29, 2**31))
+  with pytest.raises(ValueError, match=r"with router 'e2' needs about"):
+    simulate_cluster(
+      _trace(rng, n=5),
+      CONFIG,
+      replicas=64,
+      router="e2",
+      router_params={"window_steps": window},
+    )
+
+
+@pytest.mark.parametrize(
+  "router, name, value",
+  [
+    ("kv_cost", "temperature", 1e-300),
+    ("kv_cost", "prefill_scale", 1e300),
+    ("kv_cost", "overlap_credit", -1e30),
+    ("llm_d", "queue_weight", 1e300),
+    ("llm_d", "prefix_weight", 2.0**-70),
+    ("cache_aware", "cache_threshold", 1e25),
+    ("e2", "window_steps", 2**40),
+    ("session_affinity", "virtual_nodes", 2**40),
+    ("cache_aware", "balance_abs_threshold", 2**31),
+  ],
+)
+def test_router_parameters_past_their_arithmetic_are_refused(
+  router, name, value
+):
+  """float32 turned 1e-300 into 0 and 1e300 into inf, and every cost into
+  NaN: all requests went to replica 0 with no error; int32 overflowed or
+  the window filled the memory."""
+  with pytest.raises(ValueError, match=rf"{router} {name}="):
+    get_router(router, **{name: value})
+
+
+def test_kv_cost_with_a_temperature_draws_from_the_softmax_of_its_cost(rng):
+  """Dynamo's ``router_temperature``: replica ``i`` with probability
+  ``softmax(-cost / temperature)_i`` (frequencies over request ids against
+  numpy); a tiny temperature picks a cheapest replica."""
+  p = int(rng.integers(2, 5))
+  v = _view(rng, p)
+  h = {f: np.asarray(x).tolist() for f, x in v._asdict().items()}
+  cost = np.asarray(
+    [
+      max(h["prefill_blocks"][i] + h["prompt_blocks"] - m // 16, 0)
+      + h["decode_blocks"][i]
+      for i, m in enumerate(h["match_tokens"])
+    ],
+    np.float64,
+  )
+  t = max(float(np.ptp(cost)) / 2, 1.0) * float(rng.uniform(0.5, 2.0))
+  want = np.exp(-(cost - cost.min()) / t)
+  want /= want.sum()
+  n = 4000
+  rids = jnp.arange(n, dtype=jnp.int32)
+  for temperature, check in ((t, "softmax"), (2.0**-60, "cheapest")):
+    router = get_router("kv_cost", temperature=temperature)
+    picks = jax.jit(
+      jax.vmap(lambda rid, r=router: r.pick(r.init(p, 1), v, rid))
+    )(rids)
+    freq = np.bincount(np.asarray(picks), minlength=p) / n
+    if check == "softmax":  # 5 sigma of a binomial frequency
+      sigma = np.sqrt(want * (1 - want) / n)
+      np.testing.assert_array_less(np.abs(freq - want), 5 * sigma + 1e-3)
+    else:
+      cheapest = set(np.flatnonzero(cost == cost.min()))
+      assert set(np.flatnonzero(freq)) <= cheapest
 
 
 def test_rejected_counts_the_input_check_and_unrouted_the_rest(rng):

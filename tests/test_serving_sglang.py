@@ -342,6 +342,12 @@ def test_timed_clock_keeps_the_decisions_and_metrics_read_the_run(rng):
     (dict(long_prefill_token_threshold=8), "vLLM knob"),
     (dict(semantics="vllm", max_prefill_tokens=100), "sglang-semantics"),
     (dict(semantics="tgi"), "must be one of"),
+    # Unread without chunked prefill, but still a budget: never below 1.
+    (
+      dict(chunked_prefill=False, max_num_batched_tokens=-1),
+      "max_num_batched_tokens=-1 must be >= 1",
+    ),
+    (dict(max_prefill_tokens=2**31), r"max_prefill_tokens=.* int32"),
   ],
 )
 def test_bad_sglang_configs_are_refused(kwargs, needle):

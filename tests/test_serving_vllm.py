@@ -11,6 +11,7 @@ slots, columns, step rows) so they compile the engine a few times only.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -212,6 +213,33 @@ def test_block_tables_past_int32_entries_are_refused():
     _config(max_num_seqs=most + 1, max_num_batched_tokens=most + 1)
 
 
+_INT_FIELDS = (
+  "num_gpu_blocks",
+  "block_size",
+  "max_num_seqs",
+  "max_num_batched_tokens",
+  "max_model_len",
+  "long_prefill_token_threshold",
+)
+
+
+@pytest.mark.parametrize("field", _INT_FIELDS)
+def test_config_values_past_int32_are_refused(rng, field):
+  """The simulator holds every size in int32: 2**31 and up would fail in
+  numpy's cast after the work had started, naming no field."""
+  big = int(rng.integers(2**31, 2**62)) * int(rng.choice([-1, 1]))
+  with pytest.raises(ValueError, match=rf"ServingConfig.{field}=.*2\*\*31"):
+    _config(**{field: big})
+
+
+@pytest.mark.parametrize("field", _INT_FIELDS)
+def test_numpy_ints_are_config_values_as_python_ints(rng, field):
+  value = getattr(_config(), field)
+  config = _config(**{field: np.int64(value)})
+  assert type(getattr(config, field)) is int
+  assert config == _config()
+
+
 def test_bad_config_types():
   with pytest.raises(TypeError, match="ServingConfig.block_size"):
     _config(block_size=4.0)
@@ -368,6 +396,30 @@ def test_bad_arrivals_are_refused(kw, match):
   if kw.get("arrivals") == "trace":
     with pytest.raises(ValueError, match="arrival_time_ns"):
       serving.simulate(records, _config(), arrivals="trace", step_time_ms=1.0)
+
+
+@pytest.mark.parametrize(
+  "bad", [float("nan"), float("inf"), -float("inf"), "12", True, 2.0**70]
+)
+def test_arrival_times_that_are_not_finite_numbers_name_the_record(rng, bad):
+  records = [
+    dict(input_tok_ids=[1, 2, 3], output_toks=2, arrival_time_ns=i * 1000)
+    for i in range(int(rng.integers(2, 6)))
+  ]
+  rid = int(rng.integers(len(records)))
+  records[rid]["arrival_time_ns"] = bad
+  with pytest.raises(ValueError, match=rf"record {rid}: arrival_time_ns="):
+    serving.simulate(records, _config(), arrivals="trace", step_time_ms=1.0)
+
+
+def test_a_trace_arrival_past_int64_nanoseconds_names_the_request(rng):
+  trace = pj.default_workload(num_requests=6, seed=int(rng.integers(99)))
+  i = int(rng.integers(1, len(trace)))
+  times = np.asarray(trace.arrival_times_s, np.float64).copy()
+  times[i:] = 1e300
+  far = dataclasses.replace(trace, arrival_times_s=times)
+  with pytest.raises(ValueError, match=rf"trace request {i}: arrival_times_s"):
+    serving.simulate(far, _config(max_model_len=128), arrivals="zero")
 
 
 # ------------------------------------------------------------- metrics
@@ -624,6 +676,12 @@ def test_bad_argument_types_are_refused(kw, match):
       [dict(input_tok_ids=[1], output_toks=1, priority="high")],
       ValueError,
       "record 0: priority='high' must be an int",
+    ),
+    (
+      [dict(input_tok_ids=[1], output_toks=1),
+       dict(input_tok_ids=[1], output_toks=2**31)],
+      ValueError,
+      r"record 1: max_tokens=2147483648 must be < 2\*\*31",
     ),
   ],
 )  # fmt: skip

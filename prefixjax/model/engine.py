@@ -405,8 +405,8 @@ class Engine:
     ):
       raise TypeError(f"temperature must be a float, got {temperature!r}")
     temperature = float(temperature)
-    if not temperature >= 0:
-      raise ValueError(f"temperature={temperature} must be >= 0")
+    if not 0 <= temperature < float("inf"):
+      raise ValueError(f"temperature={temperature} must be finite and >= 0")
     seed = self.seed if seed is None else check_int("seed", seed, 0, 2**31)
     if eos_id is not None:
       eos_id = check_int("eos_id", eos_id, 0, v)

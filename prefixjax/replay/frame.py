@@ -44,7 +44,7 @@ import enum
 import functools
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -494,7 +494,9 @@ def _sharded_capacities(engine, prepared, devices):
 def check_capacities(capacities, *, minimum: int = 0) -> list[int]:
   """Capacities as Python ints; ``ValueError`` if empty or below
   ``minimum``, ``TypeError`` if not integers."""
-  if isinstance(capacities, int | np.integer):
+  if isinstance(capacities, int | np.integer | str | bytes) or not isinstance(
+    capacities, Iterable
+  ):
     raise TypeError(f"capacities={capacities!r} must be a sequence of ints")
   capacities = list(capacities)
   if not capacities:

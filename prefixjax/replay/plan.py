@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from prefixjax._checks import check_block_size
 from prefixjax.replay.frame import (
   ReplayPoint,
   check_warmup_fraction,
@@ -124,10 +125,7 @@ def prepare_replay(
 
 
 def _check_arguments(block_size, warmup_fraction) -> None:
-  if isinstance(block_size, bool) or not isinstance(block_size, int):
-    raise TypeError(f"block_size={block_size!r} must be an int")
-  if block_size < 1:
-    raise ValueError(f"block_size={block_size} must be >= 1")
+  check_block_size(block_size)
   check_warmup_fraction(warmup_fraction)
 
 

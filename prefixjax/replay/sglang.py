@@ -119,6 +119,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from prefixjax._checks import check_block_size
 from prefixjax._host import to_device
 from prefixjax._masked import NONE, barrier, gather, scatter
 from prefixjax.cache import bitmap
@@ -720,12 +721,7 @@ def _points(prepared: Prepared, capacities, outputs):
 def _check(trace: Trace, block_size, capacities, warmup_fraction):
   if not isinstance(trace, Trace):
     raise TypeError(f"trace must be a Trace, got {type(trace).__name__}")
-  if isinstance(block_size, bool) or not isinstance(
-    block_size, int | np.integer
-  ):
-    raise TypeError(f"block_size={block_size!r} must be an int")
-  if block_size < 1:
-    raise ValueError(f"block_size={block_size} must be >= 1")
+  check_block_size(block_size)
   frame.check_warmup_fraction(warmup_fraction)
   if len(trace) == 0:
     raise ValueError(f"trace {trace.name!r} has no requests")
@@ -746,24 +742,17 @@ def _check(trace: Trace, block_size, capacities, warmup_fraction):
       f"request {bad} has input_length={int(trace.input_lengths[bad])}; "
       "SGLang needs a non-empty prompt"
     )
-  capacities = list(capacities)
-  if not capacities:
-    raise ValueError("capacities must not be empty")
-  for capacity in capacities:
-    if isinstance(capacity, bool) or not isinstance(capacity, int | np.integer):
-      raise TypeError(f"capacity={capacity!r} must be an int")
+  capacities = frame.check_capacities(capacities)
   totals = trace.kv_tokens
   need, biggest = frame.largest_request_blocks(trace, block_size)
   for capacity in capacities:
-    if capacity < need or capacity >= 2**31:
+    if capacity < need:
       raise ValueError(
         f"capacity={capacity} pages cannot hold the largest request "
         f"(request {biggest}: {int(totals[biggest])} tokens with KV need "
         f"{need} pages of {block_size} tokens)"
-        if capacity < need
-        else f"capacity={capacity} does not fit in int32"
       )
-  return [int(c) for c in capacities]
+  return capacities
 
 
 def hits_and_free(

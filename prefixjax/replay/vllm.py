@@ -83,6 +83,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from prefixjax._checks import check_block_size
 from prefixjax._host import to_device
 from prefixjax.cache import hashing, paging, policies
 from prefixjax.cache import prefix_cache as pc
@@ -631,13 +632,7 @@ def replay_vllm(
 def _check(trace, block_size, capacities, warmup_fraction, publish, version):
   """:func:`replay_vllm`'s argument rules; returns the cache's
   ``free_order`` for ``version``."""
-  if isinstance(block_size, bool) or not isinstance(
-    block_size, int | np.integer
-  ):
-    raise TypeError(f"block_size must be an int, got {block_size!r}")
-  if block_size < 1:
-    raise ValueError(f"block_size={block_size} must be >= 1")
-  block_size = int(block_size)
+  block_size = check_block_size(block_size)
   from_tokens = trace.has_token_ids
   if not from_tokens and not trace.has_hash_ids:
     raise ValueError(

@@ -640,7 +640,16 @@ def simulate_cluster(
     else (1, np.iinfo(np.int32).max)  # no view: one unused slot
   )
   per_replica = sum(x.nbytes for x in jax.tree.leaves(state)) + a * 16
-  check_fits_in_memory(f"replicas={p}", p * per_replica)
+  # The router's own state too (e2's window, session_affinity's ring): its
+  # shapes without building it.
+  routed = jax.eval_shape(lambda: router.init(p, r))
+  router_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(routed))
+  # The jitted run holds its input and its result at once: two copies.
+  check_fits_in_memory(
+    f"replicas={p} with router {router.name!r}",
+    p * per_replica + router_bytes,
+    copies=2,
+  )
   cs = _initial_cluster(state, ttl, p=p, r=r, a=a, router=router)
   if devices is not None:
     mesh = jax.sharding.Mesh(np.asarray(devices), ("replicas",))

@@ -128,9 +128,16 @@ class Router(NamedTuple):
   view: ApproxView = ApproxView()
 
 
+# A real parameter multiplies counts below 2**31 and is summed in float32;
+# within 2**64 in magnitude the products stay finite (float32 reaches
+# 2**128), and a nonzero one of at least 2**-64 stays nonzero.
+_REAL_RANGE = 2.0**-64, 2.0**64
+
+
 def _check(router: str, **params) -> None:
-  """Refuses a factory parameter that is not a finite real number (and,
-  for the integer ones, not an int >= 1), naming the router."""
+  """Refuses a factory parameter that is not a real number 0 or of
+  magnitude in :data:`_REAL_RANGE` (the integer ones: not an int below
+  2**31, the routers' int32 arithmetic), naming the router."""
   for name, value in params.items():
     integer = name in ("window_steps", "virtual_nodes", "balance_abs_threshold")
     kinds = (int, np.integer) if integer else (int, float, np.number)
@@ -139,6 +146,16 @@ def _check(router: str, **params) -> None:
       raise ValueError(f"{router} {name}={value!r} must be {what}")
     if not math.isfinite(value):
       raise ValueError(f"{router} {name}={value!r} must be finite")
+    if integer and abs(value) >= 2**31:
+      raise ValueError(
+        f"{router} {name}={value} must be below 2**31 in magnitude (int32)"
+      )
+    low, high = _REAL_RANGE
+    if not integer and value != 0 and not low <= abs(value) <= high:
+      raise ValueError(
+        f"{router} {name}={value!r} must be 0 or of magnitude in "
+        "[2**-64, 2**64] (float32 arithmetic over counts up to 2**31)"
+      )
 
 
 def _first_min(x: jax.Array) -> jax.Array:
@@ -277,7 +294,10 @@ def kv_cost(
     if temperature == 0:
       return _first_min(cost)
     key = jax.random.fold_in(jax.random.key(0), rid)
-    return jax.random.categorical(key, -cost / temperature).astype(jnp.int32)
+    # softmax is shift-free: from the cheapest, so that the best replica's
+    # logit is 0 and a small temperature cannot make them all -inf.
+    logits = -(cost - jnp.min(cost)) / f32(temperature)
+    return jax.random.categorical(key, logits).astype(jnp.int32)
 
   return Router(
     "kv_cost",

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from prefixjax.serving import schedulers as sch
 
 __all__ = ["POLICIES", "SEMANTICS", "SGLANG_POLICIES", "ServingConfig"]
@@ -23,8 +25,15 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _int_field(name: str, value) -> int:
-  if isinstance(value, bool) or not isinstance(value, int):
+  """``value`` as a Python int (numpy ints too), refused unless it fits the
+  simulator's int32 arrays."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
     raise TypeError(f"ServingConfig.{name} must be an int, got {value!r}")
+  if not -(2**31) < value < 2**31:
+    raise ValueError(
+      f"ServingConfig.{name}={value} must be in (-2**31, 2**31): the "
+      "simulator holds it in int32"
+    )
   return int(value)
 
 
@@ -174,9 +183,15 @@ class ServingConfig:
             f"ServingConfig.{f.name} must be a bool, got "
             f"{getattr(self, f.name)!r}"
           )
-      else:
-        _int_field(f.name, getattr(self, f.name))
-    for name in ("num_gpu_blocks", "block_size", "max_num_seqs"):
+      else:  # numpy ints become Python ints (hashing, JSON)
+        value = _int_field(f.name, getattr(self, f.name))
+        object.__setattr__(self, f.name, value)
+    for name in (
+      "num_gpu_blocks",
+      "block_size",
+      "max_num_seqs",
+      "max_num_batched_tokens",
+    ):
       if getattr(self, name) < 1:
         raise ValueError(
           f"ServingConfig.{name}={getattr(self, name)} must be >= 1"

@@ -151,6 +151,10 @@ def _parse(
     raise ValueError(f"record {rid}: no output_toks and no output_tok_ids")
   if max_tokens < 1:
     raise ValueError(f"record {rid}: {max_tokens=} must be >= 1")
+  if max_tokens >= 2**31:  # outputs stop at max_model_len anyway
+    raise ValueError(
+      f"record {rid}: {max_tokens=} must be < 2**31 (int32 on the device)"
+    )
   return (
     prompt,
     max_tokens,
@@ -161,7 +165,15 @@ def _parse(
 def _records_of(trace: Trace) -> list[dict[str, Any]]:
   """:func:`records_from_trace` with numpy token rows (no Python lists)."""
   trace = _with_tokens(trace)
-  ns = np.round(np.asarray(trace.arrival_times_s, np.float64) * 1e9)
+  with np.errstate(over="ignore"):  # refused just below, by name
+    ns = np.round(np.asarray(trace.arrival_times_s, np.float64) * 1e9)
+  far = ~(np.abs(ns) < 2.0**63)
+  if far.any():
+    i = int(np.argmax(far))
+    raise ValueError(
+      f"trace request {i}: arrival_times_s={trace.arrival_times_s[i]!r} "
+      "does not fit int64 nanoseconds"
+    )
   out = []
   for i in range(len(trace)):
     rec: dict[str, Any] = dict(
@@ -301,9 +313,16 @@ def _arrival_ns(records, arrivals: str, rate, seed: int) -> list[int]:
     return _poisson_ns(len(records), rate, seed)
   ns = []
   for rid, rec in enumerate(records):
-    if rec.get("arrival_time_ns") is None:
+    t = rec.get("arrival_time_ns")
+    if t is None:
       raise ValueError(f"record {rid}: no arrival_time_ns")
-    ns.append(int(rec["arrival_time_ns"]))
+    number = isinstance(t, (int, float, np.integer, np.floating))
+    if isinstance(t, bool) or not number or not abs(t) < 2.0**63:
+      raise ValueError(
+        f"record {rid}: arrival_time_ns={t!r} must be a finite number of "
+        "nanoseconds (int64)"
+      )
+    ns.append(int(t))
   return ns
 
 
