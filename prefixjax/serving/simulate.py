@@ -171,7 +171,7 @@ def _records_of(trace: Trace) -> list[dict[str, Any]]:
   if far.any():
     i = int(np.argmax(far))
     raise ValueError(
-      f"trace request {i}: arrival_times_s={trace.arrival_times_s[i]!r} "
+      f"trace request {i}: arrival_times_s={float(trace.arrival_times_s[i])} "
       "does not fit int64 nanoseconds"
     )
   out = []
