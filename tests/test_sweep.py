@@ -306,6 +306,17 @@ _BAD = [
     "workloads.t.trace",
     "is a folder, not a trace file",
   ),
+  (  # a misspelt path is not a skipped workload unless it says so
+    "[workloads.t]\ntrace = 'no/such.jsonl'\n[replay]\ncapacity = 8\n",
+    "workloads.t.trace",
+    "no/such.jsonl does not exist",
+  ),
+  (
+    "[workloads.t]\ntrace = 'no/such.jsonl'\noptional = 'yes'\n"
+    "[replay]\ncapacity = 8\n",
+    "workloads.t.optional",
+    "must be true or false",
+  ),
   # [full] is checked whether or not --full applies it.
   (
     "[workloads.w]\nrequests = 9\n[replay]\ncapacity = 8\n"
@@ -905,10 +916,10 @@ def test_a_folder_of_other_files_is_not_written_into(tmp_path):
     run_sweep(path, tmp_path / "afile" / "sub", plots=False)
 
 
-def test_an_absent_trace_skips_its_points_with_the_reason(tmp_path):
+def test_an_absent_optional_trace_skips_its_points_with_the_reason(tmp_path):
   path = _write(
     tmp_path,
-    "[workloads.gone]\ntrace = 'no/such/trace.jsonl'\n"
+    "[workloads.gone]\ntrace = 'no/such/trace.jsonl'\noptional = true\n"
     "[workloads.here]\ngenerator = 'system_prompt'\nrequests = 20\n"
     "[replay]\ncapacity = [8, 16]\nwarmup_fraction = 0.0\n",
   )
@@ -926,7 +937,7 @@ def test_list_says_what_a_run_would_leave_out_or_skip(tmp_path, capsys):
   left out (with counts) and workloads whose points would be skipped."""
   path = _write(
     tmp_path,
-    "[workloads.gone]\ntrace = 'no/such/trace.jsonl'\n"
+    "[workloads.gone]\ntrace = 'no/such/trace.jsonl'\noptional = true\n"
     "[workloads.here]\ngenerator = 'system_prompt'\nrequests = 20\n"
     "[replay]\ncapacity = [8, 16]\nsemantics = ['kvcache-sim', 'vllm']\n"
     "policy = ['fifo', 'lfu']\n",
@@ -1107,6 +1118,23 @@ def test_shipped_experiments_are_valid_specs(name):
   for full in (False, True):
     spec = load_spec(path, full=full)
     assert spec.points and spec.name == name
+
+
+@pytest.mark.parametrize(
+  "name",
+  sorted(p.stem for p in (ROOT / "experiments").glob("*.toml")),
+)
+def test_shipped_experiments_load_without_the_shared_traces(name, tmp_path):
+  """A shipped spec copied where its relative trace paths lead nowhere (as
+  on a machine without ``../shared/traces``) still loads: a trace it reads
+  is optional, its points skipped with the reason."""
+  copy = tmp_path / "deep" / f"{name}.toml"
+  copy.parent.mkdir()
+  copy.write_text((ROOT / "experiments" / f"{name}.toml").read_text())
+  spec = load_spec(copy)
+  for w in spec.workloads.values():
+    if w.trace is not None:
+      assert w.optional and w.missing() == f"trace file {w.trace} is absent"
 
 
 def test_quickstart_workload_is_the_built_in_generator():

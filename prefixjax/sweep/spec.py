@@ -16,8 +16,10 @@ TOML because it is readable, diffable and read by the standard library
 
   [workloads.mooncake]
   trace = "../shared/traces/mooncake_trace.jsonl"  # ... or a trace file,
-  format = "auto"                  # relative to the spec; its points are
-  limit = 2000                     # skipped, with the reason, when absent
+  format = "auto"                  # relative to the spec; an absent file
+  limit = 2000                     # is an error, unless the workload is
+  optional = true                  # optional: its points are then skipped,
+                                   # with the reason
 
   [replay]                         # a grid: every field a value or a list
   semantics = "kvcache-sim"        # capacity in blocks, or capacity_tokens
@@ -313,7 +315,7 @@ _FIELDS = {"replay": REPLAY_FIELDS, "simulate": SIMULATE_FIELDS}
 _TOP = ("sweep", "workloads", "replay", "simulate", "points", "full")
 _SWEEP_KEYS = ("name", "description", "vectorize")
 _WORKLOAD_KEYS = ("generator", "requests", "seed", "params", "trace")
-_TRACE_KEYS = ("trace", "format", "limit")
+_TRACE_KEYS = ("trace", "format", "limit", "optional")
 _NOT_YET: dict[str, str] = {}
 
 
@@ -339,6 +341,9 @@ class WorkloadSpec:
       first of ``seeds``).
     trace: the trace file (resolved against the spec's folder), or None.
     format, limit: :func:`prefixjax.workloads.load_trace`'s.
+    optional: a trace that may be absent (data read in place from
+      elsewhere): its points are skipped, with the reason, instead of the
+      spec being refused. It does not change a result.
     seeds: every seed the spec lists for a generator, one point each
       (a point's own workload has its one seed); ``()`` for a trace.
   """
@@ -352,6 +357,7 @@ class WorkloadSpec:
   format: str = "auto"
   limit: int | None = None
   seeds: tuple[int, ...] = ()
+  optional: bool = False
 
   def identity(self) -> dict[str, Any]:
     """What a result depends on (the name only labels it; ``seeds`` lists
@@ -359,6 +365,7 @@ class WorkloadSpec:
     d = dataclasses.asdict(self)
     d.pop("name")
     d.pop("seeds")
+    d.pop("optional")
     d["params"] = dict(self.params)
     return d
 
@@ -775,10 +782,21 @@ def _workloads(table, label, base) -> dict[str, WorkloadSpec]:
       path = pathlib.Path(trace).expanduser()
       if not path.is_absolute():
         path = (base / path).resolve()
+      optional = w.get("optional", False)
+      if not isinstance(optional, bool):
+        raise SpecError(
+          f"{where}.optional: must be true or false, got {optional!r}"
+        )
       if path.exists() and not path.is_file():
         raise SpecError(f"{where}.trace: {path} is a folder, not a trace file")
+      if not optional and not path.exists():
+        raise SpecError(
+          f"{where}.trace: {path} does not exist (a path is read relative "
+          "to the spec's folder; set optional = true to skip this "
+          "workload's points when the file is absent)"
+        )
       out[name] = WorkloadSpec(
-        name=name, trace=str(path), format=fmt, limit=limit
+        name=name, trace=str(path), format=fmt, limit=limit, optional=optional
       )
       continue
     for k in w:
