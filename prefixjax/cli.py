@@ -930,10 +930,11 @@ def _add_simulate(subparsers) -> None:
     "--scheduler",
     default="fcfs",
     help="fcfs (default) or priority: vLLM's own policies (priority reads "
-    "the records' priority field, lower first; a trace without one gets 0; "
-    "with --semantics sglang it is SGLang's priority scheduling, higher "
-    "first, with its preemption); lpm, dfs (SGLang's orders) or fair (VTC) "
-    "inside vLLM's loop, or a name registered with "
+    "each record's priority field of a token-id JSONL trace, lower first; "
+    "a record without one gets 0; with --semantics sglang it is SGLang's "
+    "priority scheduling, higher first, with its preemption); lpm, dfs "
+    "(SGLang's orders) or fair (VTC) inside vLLM's loop; from Python, "
+    "prefixjax.cli.main also takes a name registered with "
     "prefixjax.serving.schedulers.register_scheduler",
   )
   p.add_argument(

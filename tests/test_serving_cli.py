@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 from reference_models.vllm_scheduler import VllmScheduler, model_kwargs
 
@@ -135,6 +136,53 @@ def test_priority_scheduler_matches_simulate_and_model(tmp_path, capsys):
   assert [x["finish_step"] for x in lines] == [
     r.get("finish_step") for r in reqs
   ]
+
+
+@pytest.mark.parametrize(
+  "semantics, extra, lowest_first",
+  [
+    ("vllm", [], True),
+    ("sglang", [], False),
+    ("sglang", ["--low-priority-first"], True),
+  ],
+)
+def test_a_trace_files_priorities_order_the_queue(
+  tmp_path, capsys, rng, semantics, extra, lowest_first
+):
+  """A token-id JSONL trace's ``priority`` fields reach ``--scheduler
+  priority``: one request runs at a time, all arrive at once, so requests
+  start in priority order (vLLM: lowest first; SGLang: highest first unless
+  ``--low-priority-first``); under vLLM every request also equals the
+  Python model's, fed the file's own records."""
+  n = int(rng.integers(4, 8))
+  priority = rng.choice(np.arange(-40, 40), size=n, replace=False)
+  records = [
+    dict(
+      input_tok_ids=rng.integers(1, 30000, int(rng.integers(5, 40))).tolist(),
+      output_toks=int(rng.integers(1, 4)),
+      arrival_time_ns=0,
+      priority=int(p),
+    )
+    for p in priority
+  ]
+  trace = tmp_path / "t.jsonl"
+  trace.write_text("".join(json.dumps(r) + "\n" for r in records))
+  reqs_out = tmp_path / "r.jsonl"
+  argv = ["--trace", str(trace), "--no-trace-cache", "--semantics", semantics]
+  argv += ["--scheduler", "priority", "--arrivals", "zero", *extra]
+  argv += ["--block-size", "16", "--num-blocks", "160", "--max-num-seqs", "1"]
+  argv += ["--max-num-batched-tokens", "256", "--max-model-len", "2048"]
+  argv += ["--no-compile-cache", "--requests-out", str(reqs_out)]
+  assert main(["simulate", *argv]) == 0
+  capsys.readouterr()
+  lines = [json.loads(x) for x in reqs_out.read_text().splitlines()]
+  started = np.argsort([x["first_token_step"] for x in lines], kind="stable")
+  expect = np.argsort(priority if lowest_first else -priority)
+  assert started.tolist() == expect.tolist(), priority
+  if semantics == "vllm":
+    config = dataclasses.replace(CONFIG, max_num_seqs=1, scheduler="priority")
+    _, reqs = VllmScheduler(**model_kwargs(config)).simulate(records)
+    assert [x["finish_step"] for x in lines] == [r["finish_step"] for r in reqs]
 
 
 def test_sglang_semantics_from_the_command_line(tmp_path, capsys):

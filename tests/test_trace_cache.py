@@ -28,6 +28,7 @@ FIELDS = (
   "input_token_ids",
   "output_token_ids",
   "session_ids",
+  "priorities",
   "name",
   "source",
 )
@@ -76,6 +77,8 @@ def _tokens(rng, path):
       input_tok_ids=ids, output_toks=out, arrival_time_ns=int(rng.integers(9))
     )
     record["output_tok_ids"] = rng.integers(0, 50000, size=out).tolist()
+    if rng.random() < 0.5:  # the others have the default, 0
+      record["priority"] = int(rng.integers(-(2**30) + 1, 2**30))
     lines.append(json.dumps(record))
   path.write_text("\n".join(lines) + "\n")
   return path

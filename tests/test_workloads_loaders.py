@@ -254,12 +254,35 @@ def test_token_trace_round_trip(tmp_path):
       _token_record(output_tok_ids=[1]),
       "output_tok_ids is present but was missing in earlier records",
     ),
+    (_token_record(priority=True), "priority must be an integer, got bool"),
+    (_token_record(priority=1.5), "priority must be an integer, got float"),
+    (_token_record(priority=2**30), r"priority = 1073741824 is outside"),
+    (_token_record(priority=-(2**30)), r"priority = -1073741824 is outside"),
   ],
 )
 def test_token_trace_malformed_line_is_located(tmp_path, bad, match):
   good = json.dumps(_token_record())
   path = _write(tmp_path, "tok.jsonl", [good, good, json.dumps(bad)])
   _raises_at(path, 3, match, load_token_trace)
+
+
+def test_token_trace_priorities_default_to_zero(tmp_path, rng):
+  """A record's ``priority`` becomes the trace's ``priorities``, 0 where a
+  record has none; a file with none at all has no priorities."""
+  n = int(rng.integers(2, 30))
+  given = rng.random(n) < 0.5
+  given[int(rng.integers(n))] = True
+  values = rng.integers(-(2**30) + 1, 2**30, size=n)
+  records = [
+    _token_record(**({"priority": int(v)} if g else {}))
+    for g, v in zip(given, values, strict=True)
+  ]
+  path = _write(tmp_path, "p.jsonl", _jsonl(records))
+  got = load_token_trace(path).priorities
+  assert got.dtype == np.int64
+  np.testing.assert_array_equal(got, np.where(given, values, 0))
+  plain = _write(tmp_path, "q.jsonl", _jsonl([_token_record()] * n))
+  assert load_token_trace(plain).priorities is None
 
 
 def test_token_trace_output_ids_must_match_output_toks(tmp_path):

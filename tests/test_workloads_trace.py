@@ -157,6 +157,7 @@ def test_slice_keeps_every_field():
     input_token_ids=_ids([1], [1, 2, 3, 4, 5], [6, 7, 8, 9]),
     output_token_ids=_ids([1], [2, 3], [4, 5, 6]),
     session_ids=[0, 0, 1],
+    priorities=[5, -3, 2],
     name="n",
     source="s",
   )
@@ -168,6 +169,7 @@ def test_slice_keeps_every_field():
   assert tail.input_token_ids[1].tolist() == [6, 7, 8, 9]
   assert tail.output_token_ids[0].tolist() == [2, 3]
   assert tail.session_ids.tolist() == [0, 1]
+  assert tail.priorities.tolist() == [-3, 2]
   assert (tail.name, tail.source) == ("n", "s")
   assert len(trace.slice(1, 1)) == 0
   assert trace.slice(-1).input_lengths.tolist() == [4]
@@ -195,6 +197,29 @@ def test_merge_orders_by_arrival_and_renumbers_sessions():
   d = Trace([1.0], [1], [1], session_ids=[-1])
   ids = merge_traces([c, d]).session_ids.tolist()
   assert ids[0] != ids[1], ids
+
+
+def test_merge_keeps_priorities_at_the_default_where_absent(rng):
+  """Merged priorities against a numpy reference: the inputs' priorities
+  (0 for an input without them) in the stable arrival order."""
+  traces, expect_p, times = [], [], []
+  for _ in range(int(rng.integers(2, 5))):
+    n = int(rng.integers(1, 8))
+    t = np.sort(rng.integers(0, 6, n)).astype(float)
+    p = rng.integers(-50, 50, n) if rng.random() < 0.6 else None
+    traces.append(Trace(t, np.ones(n, int), np.ones(n, int), priorities=p))
+    expect_p.append(np.zeros(n, int) if p is None else p)
+    times.append(t)
+  merged = merge_traces(traces)
+  if all(t.priorities is None for t in traces):
+    assert merged.priorities is None
+  else:
+    order = np.argsort(np.concatenate(times), kind="stable")
+    np.testing.assert_array_equal(
+      merged.priorities, np.concatenate(expect_p)[order]
+    )
+  with pytest.raises(ValueError, match="priorities has 1 entries"):
+    Trace([0.0, 1.0], [1, 1], [1, 1], priorities=[3])
 
 
 def test_block_hash_ids_follow_shared_prefixes(rng):

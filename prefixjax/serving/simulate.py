@@ -81,8 +81,9 @@ def records_from_trace(trace: Trace) -> list[dict[str, Any]]:
   """A :class:`prefixjax.workloads.Trace` as the harness's trace records.
 
   Each record has ``input_tok_ids``, ``output_toks``, ``arrival_time_ns``
-  (``round(arrival_times_s * 1e9)``), with output ids ``output_tok_ids`` and
-  with session ids ``client`` (the ``fair`` scheduler's client). A trace
+  (``round(arrival_times_s * 1e9)``), with output ids ``output_tok_ids``,
+  with session ids ``client`` (the ``fair`` scheduler's client) and with
+  priorities ``priority`` (the ``priority`` scheduler's). A trace
   with Mooncake-style ``hash_ids`` instead of token ids is served with
   tokens synthesised from them (:meth:`Trace.with_token_ids`: equal ids,
   equal tokens, so its sharing is the trace's).
@@ -102,6 +103,8 @@ def records_from_trace(trace: Trace) -> list[dict[str, Any]]:
       rec["output_tok_ids"] = [int(t) for t in trace.output_token_ids[i]]
     if trace.session_ids is not None:
       rec["client"] = int(trace.session_ids[i])
+    if trace.priorities is not None:
+      rec["priority"] = int(trace.priorities[i])
     out.append(rec)
   return out
 
@@ -185,6 +188,8 @@ def _records_of(trace: Trace) -> list[dict[str, Any]]:
       rec["output_tok_ids"] = trace.output_token_ids[i]
     if trace.session_ids is not None:
       rec["client"] = int(trace.session_ids[i])
+    if trace.priorities is not None:
+      rec["priority"] = int(trace.priorities[i])
     out.append(rec)
   return out
 

@@ -380,7 +380,10 @@ def load_token_trace(path: PathLike, *, limit: int | None = None) -> Trace:
   Returns:
     A `Trace` with `input_token_ids` (and `output_token_ids` when every
     record has `output_tok_ids`); arrival times are `arrival_time_ns / 1e9`
-    seconds.
+    seconds. A record's optional integer `priority` (the serving
+    simulator's `priority` scheduler; vLLM's default 0 where a record has
+    none) makes the trace's `priorities`; it must lie in (-2**30, 2**30),
+    as SGLang's priority policy compares priorities in int32 on the device.
 
   Raises:
     TraceFormatError: on the first malformed record (`path:line: ...`),
@@ -399,8 +402,21 @@ def load_token_trace(path: PathLike, *, limit: int | None = None) -> Trace:
   inputs: list[np.ndarray] = []
   outputs: list[int] = []
   output_ids: list[np.ndarray] = []
+  priorities: list[int] = []
+  with_priority = False
   with_outputs: bool | None = None
   for line_no, record in records:
+    priority = record.get("priority", 0)
+    if type(priority) is not int:  # bools are not ints in JSON
+      raise records.error(
+        line_no, f"priority must be an integer, got {_describe(priority)}"
+      )
+    if not -(2**30) < priority < 2**30:
+      raise records.error(
+        line_no, f"priority = {priority} is outside (-2**30, 2**30)"
+      )
+    with_priority = with_priority or "priority" in record
+    priorities.append(priority)
     ids = records.field(line_no, record, "input_tok_ids", "ids")
     records.int_list(line_no, "input_tok_ids", ids, 0, _INT32_MAX)
     output_length = records.field(line_no, record, "output_toks", "count")
@@ -443,6 +459,7 @@ def load_token_trace(path: PathLike, *, limit: int | None = None) -> Trace:
     np.asarray(outputs, np.int64),
     input_token_ids=inputs,
     output_token_ids=output_ids if with_outputs else None,
+    priorities=np.asarray(priorities, np.int64) if with_priority else None,
     name=_trace_name(path),
     source=str(path),
   )

@@ -186,6 +186,10 @@ class Trace:
       (a later prompt that re-sends it can hit the blocks it filled).
     session_ids: optional `int64[R]`: the conversation, sampling group, tree
       or agent run each request belongs to (set by the generators).
+    priorities: optional `int64[R]`: each request's scheduling priority
+      (vLLM's ``priority`` of a request, lower first; SGLang's, ordered by
+      its ``--schedule-low-priority-values-first``); read by the serving
+      simulator's ``priority`` scheduler, 0 when absent.
     name: short human-readable name.
     source: where the trace came from: a file path or a generator spec.
 
@@ -212,6 +216,7 @@ class Trace:
   input_token_ids: tuple[np.ndarray, ...] | None = None  # R x [I_i] int32
   output_token_ids: tuple[np.ndarray, ...] | None = None  # R x [O_i] int32
   session_ids: np.ndarray | None = None  # [R] int64
+  priorities: np.ndarray | None = None  # [R] int64
   name: str = "trace"
   source: str = ""
 
@@ -244,6 +249,11 @@ class Trace:
       set_field(
         "session_ids",
         _as_vector("session_ids", self.session_ids, np.int64, size),
+      )
+    if self.priorities is not None:
+      set_field(
+        "priorities",
+        _as_vector("priorities", self.priorities, np.int64, size),
       )
     if not isinstance(self.name, str) or not isinstance(self.source, str):
       raise TypeError(
@@ -303,6 +313,8 @@ class Trace:
       fields.append(f"hash_block_size={self.hash_block_size}")
     if self.has_token_ids:
       fields.append("token_ids=True")
+    if self.priorities is not None:
+      fields.append("priorities=True")
     if self.source:
       fields.append(f"source={self.source!r}")
     return f"Trace({', '.join(fields)})"
@@ -385,6 +397,7 @@ class Trace:
       input_token_ids=cut(self.input_token_ids),
       output_token_ids=cut(self.output_token_ids),
       session_ids=cut(self.session_ids),
+      priorities=cut(self.priorities),
       name=self.name,
       source=self.source,
     )
@@ -568,7 +581,8 @@ def merge_traces(
   Ragged fields are kept only when every input has them (and, for
   `hash_ids`, the same `hash_block_size`). Session ids are renumbered so
   sessions of different inputs never collide (inputs without session ids
-  get one session per request).
+  get one session per request). Priorities are kept when any input has
+  them, a request of an input without them at the default, 0.
 
   Args:
     traces: the traces to merge (at least one).
@@ -609,6 +623,15 @@ def merge_traces(
       local = local - local.min()
     sessions.append(local + offset)
     offset += int(local.max()) + 1 if len(t) else 0
+  if all(t.priorities is None for t in traces):
+    priorities = None
+  else:  # a request without one has the default, 0
+    priorities = np.concatenate(
+      [
+        np.zeros(len(t), np.int64) if t.priorities is None else t.priorities
+        for t in traces
+      ]
+    )[order]
   block_sizes = {t.hash_block_size for t in traces}
   keep_hashes = len(block_sizes) == 1 and None not in block_sizes
   return Trace(
@@ -620,6 +643,7 @@ def merge_traces(
     input_token_ids=ragged("input_token_ids"),
     output_token_ids=ragged("output_token_ids"),
     session_ids=np.concatenate(sessions)[order],
+    priorities=priorities,
     name=name,
     source=source or " + ".join(t.source or t.name for t in traces),
   )

@@ -60,7 +60,13 @@ ENV_VAR = "PREFIXJAX_TRACE_CACHE"
 _OFF = ("", "0", "off", "none", "false", "no")
 _FORMAT = b"prefixjax-trace-cache-1"
 _RAGGED = ("hash_ids", "input_token_ids", "output_token_ids")
-_VECTORS = ("arrival_times_s", "input_lengths", "output_lengths", "session_ids")
+_VECTORS = (
+  "arrival_times_s",
+  "input_lengths",
+  "output_lengths",
+  "session_ids",
+  "priorities",
+)
 # The entry each trace the cache returned lives in (for derived()).
 _ENTRIES: weakref.WeakKeyDictionary[Trace, pathlib.Path] = (
   weakref.WeakKeyDictionary()
