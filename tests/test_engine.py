@@ -459,7 +459,8 @@ def test_fork_sampling_gives_fan_out_bits_with_less_prefill(rng, fork):
   if fork is FORK:  # every child forks: only the parents prefill
     assert s["preemptions"] == 0
     assert s["prefill_tokens_computed"] == sum(lens)
-    assert s["hit_tokens"] == 0
+    assert s["hit_tokens"] == 2 * sum(lens)  # the children's: shared
+    assert s["prompt_tokens"] == 3 * sum(lens)
     assert s["cow_copies"] == 2 * sum(n % k != 0 for n in lens)
   else:
     assert s["preemptions"] > 0 or s["cow_copies"] < 2 * len(lens)

@@ -9,6 +9,8 @@ hand here, and for the hits the fan-out exists for.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from reference_models.vllm_scheduler import VllmScheduler, model_kwargs
 
@@ -74,6 +76,28 @@ def test_children_hit_the_prompt_their_sibling_publishes(rng):
   # Published at allocation: siblings scheduled after it hit its full blocks
   # (a hit stops one token short of the prompt).
   assert all(r["hit_first_sched"] == (p - 1) // k * k for r in reqs[1:])
+
+
+@pytest.mark.parametrize("mode", ["fan_out", "fork"])
+def test_every_prompt_token_is_computed_or_saved(rng, mode):
+  """Without preemption every prompt token of a served request is either
+  prefilled (counted from the step records) or served without compute
+  (hits): a forked child's whole prompt is its parent's KV and counts as
+  its hit tokens, a fanned-out child's cache hits likewise."""
+  records = _records(rng)
+  records[0]["n"] = int(rng.integers(2, 5))
+  config = dataclasses.replace(
+    CONFIG, num_gpu_blocks=600, parallel_sampling=mode
+  )
+  got = serving.simulate(records, config)
+  m = got.metrics()
+  assert m["preemptions"] == 0 and m["rejected"] == 0
+  computed = sum(s["prefill_tokens"] for s in got.steps())
+  assert computed == m["prefill_tokens_computed"]
+  assert computed + m["prefill_tokens_saved"] == m["prompt_tokens"]
+  assert m["prompt_tokens"] == sum(
+    len(r["input_tok_ids"]) * r["n"] for r in records
+  )
 
 
 def test_samples_past_int32_request_ids_are_refused_before_any_is_built():

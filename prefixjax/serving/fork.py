@@ -25,6 +25,13 @@ complete`, then each child, in request order:
   request (it will prefill with the parent's published blocks as hits and
   sample its own first token).
 
+A child that is forked or finishes at once computes no prompt token: its
+whole prompt (the partly filled last block included) counts as its hit
+tokens at its first schedule (``hit_first_sched``, so ``hit_tokens``,
+``token_hit_rate`` and ``prefill_tokens_saved`` count the prompt shared by
+fork, and computed plus saved prefill tokens is every prompt token when
+nothing is preempted). A queued child's hits are its prefix-cache hits.
+
 No step-exact reference exists for this mode (vLLM 0.33 has no fork); the
 engine's tests check that it gives the fan-out mode's tokens and logits to
 the bit while computing fewer prefill tokens.
@@ -147,6 +154,10 @@ def wake_children(
       num_output=put(st.num_output, c, 1, start),
       sampled_last=put(st.sampled_last, c, True, room),
       first_sched_step=put(st.first_sched_step, c, st.step, start),
+      # Its whole prompt is the parent's KV, not computed: counted as hit
+      # tokens at its first schedule, so computed + saved is every prompt
+      # token and fork compares with fan-out by hit rate.
+      hit_first_sched=put(st.hit_first_sched, c, plen, start),
       first_token_step=put(st.first_token_step, c, st.step, start),
       finish_step=put(st.finish_step, c, st.step, now),
       running=put(st.running, st.num_running, c, room),

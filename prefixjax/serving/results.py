@@ -248,7 +248,9 @@ class SimResult:
     * ``requests``, ``finished``, ``rejected``: request counts.
     * ``prompt_tokens``: prompt tokens of the requests not rejected;
       ``hit_tokens``: prefix-cache hits at each request's first admission
-      (vLLM's ``num_cached_tokens``); ``token_hit_rate`` = their ratio.
+      (vLLM's ``num_cached_tokens``; a child forked under
+      ``parallel_sampling="fork"`` has its whole prompt, shared from its
+      parent); ``token_hit_rate`` = their ratio.
     * ``prefill_tokens_computed``: prefill tokens scheduled (recomputation
       after preemption included); ``prefill_tokens_saved``: tokens served by
       the cache instead, ``hit_tokens`` plus the hits at resumptions.
