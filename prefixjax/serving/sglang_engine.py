@@ -1105,7 +1105,8 @@ def _close(s: State, c: Consts, cfg: Config, clock, prefill: bool) -> State:
     ctx = jnp.where(lanes, cur["ctx"], 0)
     dt_s = roofline.clock_seconds(clock, new, ctx)
   tokens = jnp.sum(new, dtype=jnp.int32)
-  holding = q.running | (q.in_batch & (q.finish < 0))
+  # running after the step: a request that finished in it has left
+  holding = (q.running | q.in_batch) & (q.finish < 0)
   rec = dict(
     step=s.step,
     sched_rid=cur["sched_rid"],

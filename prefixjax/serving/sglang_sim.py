@@ -54,6 +54,8 @@ def _prepare(
   arr,
   client=None,
   priority=None,
+  parent=None,
+  sample=None,
 ) -> _Prepared:
   k = config.block_size
   prompts, outputs, prompt_len, max_tokens, rejected = tokens
@@ -106,6 +108,8 @@ def _prepare(
       arrival_msf=arr["arrival_msf"],
       rejected=rejected,
       priority=None if priority is None else np.asarray(priority, np.int64),
+      parent=parent,
+      sample=sample,
     ),
   )
 
@@ -117,6 +121,8 @@ def simulate_sglang(
   *,
   client=None,
   priority=None,
+  parent=None,
+  sample=None,
   step_time_ms=None,
   max_steps=None,
   timer=None,
@@ -130,12 +136,13 @@ def simulate_sglang(
   clock) or a clock object; ``client``: ``[R]`` dense client ids (the
   ``fair`` policy's, ``simulate._clients``; default all 0); ``priority``:
   ``[R]`` ints, ``|p| < 2**30`` (the ``priority`` policy's, records'
-  ``priority``; default all 0); ``progress``: a
-  tqdm bar of finished requests on stderr.
+  ``priority``; default all 0); ``parent``, ``sample``: ``[R]`` ints of
+  the fanned-out records (``n > 1``), or None, carried to the result;
+  ``progress``: a tqdm bar of finished requests on stderr.
   """
   if config.semantics != "sglang":
     raise ValueError("simulate_sglang needs ServingConfig.semantics='sglang'")
-  prep = _prepare(config, tokens, arr, client, priority)
+  prep = _prepare(config, tokens, arr, client, priority, parent, sample)
   num_requests = len(tokens[0])
   cfg = prep.cfg
   if max_steps is not None:
@@ -208,7 +215,15 @@ def simulate_sglang_batch(
   :func:`~prefixjax.serving.simulate_batch` result.
   """
   preps = [
-    _prepare(c, i["tokens"], i["arr"], i["client"], i["priority"])
+    _prepare(
+      c,
+      i["tokens"],
+      i["arr"],
+      i["client"],
+      i["priority"],
+      i.get("parent"),
+      i.get("sample"),
+    )
     for c, i in zip(configs, inputs, strict=True)
   ]
   steps = max_steps or max(p.cfg.steps for p in preps)
@@ -293,6 +308,8 @@ def _collect(prep: _Prepared, config, final, step_time_ms, timer) -> SimResult:
     sched_steps=np.asarray(q.sched_steps),
     prefill_steps=np.asarray(q.prefill_steps),
     priority=h["priority"],
+    parent=h["parent"],
+    sample=h["sample"],
     clock="steps" if timer is None else timer,
     arrival_s=h["arrival_s"],
     evictions=int(final.tree.evicted),

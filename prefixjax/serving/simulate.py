@@ -638,7 +638,12 @@ def _sglang_inputs(
     _sglang_priorities(records) if config.scheduler == "priority" else None
   )
   inputs = dict(
-    tokens=tokens, arr=arr, client=_clients(records), priority=priority
+    tokens=tokens,
+    arr=arr,
+    client=_clients(records),
+    priority=priority,
+    parent=_field(records, "parent"),
+    sample=_field(records, "sample"),
   )
   return inputs, timer
 
