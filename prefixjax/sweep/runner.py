@@ -599,15 +599,18 @@ def run_sweep(
     if bar is not None:
       bar.update(len(g))
 
-  # The other serial simulate points run on a thread per core (each a
-  # compiled loop on one core, the GIL released while it runs), each
-  # recorded as soon as it is done, in whatever order they finish (rows
-  # are put in spec order at the end).
-  try:
-    for g in pieces:
-      record(g, *run_piece(g))
-    from prefixjax._host import as_done_on_threads
+  # The groups (and each serial simulate group's first point) run on a
+  # thread per core: each compiles its own program, XLA's compile and the
+  # compiled loop release the GIL, so two compile at once on two cores
+  # (experiments/scheduling.toml, every program compiled: 119-123 s one
+  # group at a time, 95 s on two threads). Then the other serial simulate
+  # points, the same way. Each piece is recorded as soon as it is done, in
+  # whatever order they finish (rows are put in spec order at the end).
+  from prefixjax._host import as_done_on_threads
 
+  try:
+    for i, result in as_done_on_threads(run_piece, pieces):
+      record(pieces[i], *result)
     for i, result in as_done_on_threads(run_piece, alone):
       record(alone[i], *result)
   finally:
