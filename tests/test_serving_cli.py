@@ -319,7 +319,10 @@ def test_a_mooncake_trace_is_served_with_its_sharing(tmp_path, capsys, rng):
   argv = ["simulate", "--trace", str(path), "--format", "mooncake"]
   argv += ["--block-size", str(k), "--num-blocks", "4096"]
   argv += ["--max-num-seqs", "1", "--max-num-batched-tokens", "4096"]
-  argv += ["--max-model-len", "4096", "--no-compile-cache"]
+  # Room for every prompt and its outputs (a chain of extensions can pass
+  # 4,096 tokens: seed 598232797 drew 4,101, rejected, hit None).
+  longest = max(r["input_length"] + r["output_length"] for r in rows)
+  argv += ["--max-model-len", str(max(4096, longest + 1)), "--no-compile-cache"]
   argv += ["--requests-out", str(tmp_path / "r.jsonl")]
   assert main(argv) == 0
   capsys.readouterr()
