@@ -101,12 +101,18 @@ def records_from_trace(trace: Trace) -> list[dict[str, Any]]:
     )
     if trace.output_token_ids is not None:
       rec["output_tok_ids"] = [int(t) for t in trace.output_token_ids[i]]
-    if trace.session_ids is not None:
-      rec["client"] = int(trace.session_ids[i])
-    if trace.priorities is not None:
-      rec["priority"] = int(trace.priorities[i])
-    out.append(rec)
+    out.append(_per_request_fields(trace, i, rec))
   return out
+
+
+def _per_request_fields(trace: Trace, i: int, rec: dict) -> dict:
+  """``rec`` with request ``i``'s ``client`` (session id) and ``priority``
+  where the trace has them (both record builders share this)."""
+  if trace.session_ids is not None:
+    rec["client"] = int(trace.session_ids[i])
+  if trace.priorities is not None:
+    rec["priority"] = int(trace.priorities[i])
+  return rec
 
 
 def _with_tokens(trace: Trace) -> Trace:
@@ -186,11 +192,7 @@ def _records_of(trace: Trace) -> list[dict[str, Any]]:
     )
     if trace.output_token_ids is not None:
       rec["output_tok_ids"] = trace.output_token_ids[i]
-    if trace.session_ids is not None:
-      rec["client"] = int(trace.session_ids[i])
-    if trace.priorities is not None:
-      rec["priority"] = int(trace.priorities[i])
-    out.append(rec)
+    out.append(_per_request_fields(trace, i, rec))
   return out
 
 
