@@ -161,3 +161,51 @@ def test_progress_bar_reports_from_inside_the_loop(rng, capsys):
     serving.vllm_v1.set_progress_sink(None)
   assert seen == []  # progress=False compiles no callback
   assert plain.num_steps > serving.vllm_v1.PROGRESS_EVERY
+
+
+@pytest.mark.parametrize("semantics", ["vllm", "sglang"])
+def test_calls_through_one_trace_runs_equal_simulate_alone(rng, semantics):
+  """``TraceRuns`` (a sweep's points on one trace) shares the checked
+  records and what depends on them and the token shapes between calls:
+  calls with other block sizes and ``max_model_len`` (some prompts
+  rejected, some outputs cut), run on two threads at once, each equal
+  a call of its own on the trace, so nothing of one shape leaks into
+  another."""
+  from prefixjax._host import thread_map
+  from prefixjax.serving.simulate import TraceRuns
+
+  trace = _trace(rng)
+  runs = TraceRuns(trace)
+  longest = int(trace.input_lengths.max())
+  shapes = [
+    (8, 256),
+    (16, 256),
+    (8, int(rng.integers(24, longest))),  # cuts some prompts and outputs
+    (8, 256),  # the first shape again, after the others
+  ]
+  calls = []
+  for k, mml in shapes:
+    config = ServingConfig(
+      num_gpu_blocks=60 * 8 // k,
+      block_size=k,
+      max_num_seqs=4,
+      max_model_len=mml,
+      max_num_batched_tokens=int(rng.integers(k, 64)),
+      semantics=semantics,
+    )
+    calls.append((config, int(rng.integers(2**31))))
+
+  def run(call):
+    config, seed = call
+    kw = dict(arrivals="poisson", rate=50.0, step_time_ms=5.0)
+    return (
+      runs.simulate_batch([config], seed=[seed], **kw)[0],
+      # A call of its own (simulate_batch equals simulate: tests above).
+      serving.simulate_batch(trace, [config], seed=[seed], **kw)[0],
+    )
+
+  pairs = thread_map(run, calls)
+  assert any(r.metrics()["rejected"] for r, _ in pairs)
+  for got, ref in pairs:
+    assert got.requests() == ref.requests()
+    assert got.metrics() == ref.metrics()
