@@ -269,6 +269,61 @@ def test_retraction_pressure(rng):
   assert total > 0, "no retraction: the case lost its pressure"
 
 
+def test_a_retraction_keeps_the_batch_in_retraction_preference_order(rng):
+  """SGLang's ``retract_decode`` sorts the running batch by ``(outputs,
+  -prompt length)``, descending and stable, retracts off the end and keeps
+  the rest in that order (``schedule_batch.py``, lines 3451-3580 and
+  3873); a prefill's requests join the batch at its end. The batch is
+  rebuilt here from the step records alone (no chunking: every scheduled
+  step gives its request one output token) and every decode step must run
+  it in that order."""
+  # Six requests in 168 pages of 4 tokens: a shape in which the real
+  # SGLang 0.5.23 reordered its batch (found by a scratch check against
+  # its retract_decode); fresh tokens and jittered lengths per draw.
+  cfg = _config(168, 4, 6, 0, 4096, 224, "fcfs")
+  base = [(37, 186), (35, 183), (6, 66), (31, 115), (28, 111), (13, 76)]
+  for _ in range(6):
+    records = [
+      dict(
+        input_tok_ids=rng.integers(1, 500, p + int(rng.integers(-3, 4))),
+        output_toks=o + int(rng.integers(-3, 4)),
+      )
+      for p, o in base
+    ]
+    for r in records:
+      r["input_tok_ids"] = r["input_tok_ids"].tolist()
+    if _reorders(serving.simulate(records, cfg), records):
+      return
+  pytest.fail("no draw's retraction changed the batch order")
+
+
+def _reorders(res, records) -> int:
+  """Checks each step's batch against the batch rebuilt from the records;
+  returns how many retractions changed the batch order."""
+  assert res.ok
+  prompt = [len(r["input_tok_ids"]) for r in records]
+  sched, t = res.scheduled(), res.trace
+  batch, n_out, reordered = [], [0] * len(records), 0
+  for i in range(res.num_steps):
+    rids = [r for r, _ in sched[i]]
+    victims = [int(x) for x in t.preempted[i] if x >= 0]
+    if t.prefill_tokens[i] > 0:
+      assert not victims
+      batch += rids
+    else:
+      if victims:
+        order = sorted(batch, key=lambda r: (-n_out[r], prompt[r]))
+        assert order[len(order) - len(victims) :][::-1] == victims
+        reordered += order[: len(rids)] != [r for r in batch if r in rids]
+        batch = order[: len(order) - len(victims)]
+      assert rids == batch, f"step row {i}"
+    for r in rids:
+      n_out[r] += 1
+    batch = [r for r in batch if res.finish_step[r] != t.step[i]]
+  assert not batch
+  return reordered
+
+
 def test_step_records_count_running_after_the_step_and_keep_samples(rng):
   """Each step record's ``running`` is the requests holding a running slot
   after it, rebuilt from the records' new / resumed / preempted / finished

@@ -72,6 +72,7 @@ from prefixjax.serving.sglang_tree import (
   insert,
   lock_path,
   locked_path_evictable,
+  page_trie,
   prepare,
   walk,
 )
@@ -83,6 +84,7 @@ __all__ = [
   "Knobs",
   "Status",
   "knobs",
+  "page_trie",
   "prepare",
   "run",
   "run_batched",
@@ -768,6 +770,24 @@ def _finished(cur, r):
   )
 
 
+def _retraction_order(q: Reqs, c: Consts, kept, S: int) -> Reqs:
+  """The kept batch in retraction-preference order: SGLang 0.5.23's
+  ``retract_decode`` sorts the batch by ``(len(output_ids),
+  -len(origin_input_ids))``, descending and stable, pops its victims off
+  the end and keeps the rest in that order (``filter_batch(keep_indices=
+  sorted_indices)``; ``srt/managers/schedule_batch.py``, lines 3451-3580
+  and 3873). The kept requests trade their ``rseq`` (the batch order)
+  among themselves, so they stay ahead of any later admission."""
+  R = q.rseq.shape[0]
+  (idx,) = jnp.nonzero(kept, size=S, fill_value=0)
+  lanes = jnp.arange(S) < jnp.sum(kept, dtype=jnp.int32)
+  seq = q.rseq[idx]
+  pos = jnp.lexsort((seq, c.prompt[idx], -q.n_out[idx], i32(~lanes)))
+  old = jnp.sort(jnp.where(lanes, seq, _BIG))
+  rseq = q.rseq.at[jnp.where(lanes, idx[pos], R)].set(old, mode="drop")
+  return q._replace(rseq=rseq)
+
+
 def _decode(s: State, c: Consts, cfg: Config) -> State:
   """``update_running_batch`` (retraction), ``prepare_for_decode``, and
   ``process_batch_result_decode``."""
@@ -822,6 +842,7 @@ def _decode(s: State, c: Consts, cfg: Config) -> State:
       body,
       (t, q, q.running, qnext, cur, jnp.bool_(True), jnp.bool_(True)),
     )
+    q = _retraction_order(q, c, kept, cur["sched_rid"].shape[0])
     nk = jnp.sum(kept, dtype=jnp.int32)
     t, ok = _when(nk <= 1, lambda y: fits(y[0], kept), (t, jnp.bool_(True)))
     status = status | jnp.where(ok, 0, Status.OUT_OF_MEMORY)

@@ -48,6 +48,18 @@ class _Prepared:
   host: dict[str, Any]
 
 
+def _max_new(outputs) -> np.ndarray:
+  return np.asarray([max(len(o), 1) for o in outputs], np.int32)
+
+
+def page_trie(tokens, page_size: int) -> dict:
+  """The page trie of ``tokens`` (``simulate._request_tokens``'s result)
+  at ``page_size``: :func:`~prefixjax.serving.sglang_tree.page_trie`,
+  which runs over one trace at any arrivals share."""
+  prompts, outputs = tokens[0], tokens[1]
+  return eng.page_trie(prompts, outputs, _max_new(outputs), page_size)
+
+
 def _prepare(
   config: ServingConfig,
   tokens,
@@ -56,11 +68,12 @@ def _prepare(
   priority=None,
   parent=None,
   sample=None,
+  trie=None,
 ) -> _Prepared:
   k = config.block_size
   prompts, outputs, prompt_len, max_tokens, rejected = tokens
   r = len(prompts)
-  max_new = np.asarray([max(len(o), 1) for o in outputs], np.int32)
+  max_new = _max_new(outputs)
   arrival = arr["arrival"]
   consts = eng.prepare(
     prompts,
@@ -77,6 +90,7 @@ def _prepare(
     if priority is None
     else np.asarray(priority, np.int64)
     * (-1 if config.low_priority_first else 1),
+    trie=trie,
   )
   ok = ~rejected
   work = int(prompt_len[ok].sum()) // max(config.max_num_batched_tokens, 1)
@@ -123,6 +137,7 @@ def simulate_sglang(
   priority=None,
   parent=None,
   sample=None,
+  trie=None,
   step_time_ms=None,
   max_steps=None,
   timer=None,
@@ -138,11 +153,13 @@ def simulate_sglang(
   ``[R]`` ints, ``|p| < 2**30`` (the ``priority`` policy's, records'
   ``priority``; default all 0); ``parent``, ``sample``: ``[R]`` ints of
   the fanned-out records (``n > 1``), or None, carried to the result;
-  ``progress``: a tqdm bar of finished requests on stderr.
+  ``trie``: :func:`page_trie` of ``tokens`` at the config's block size,
+  when the caller keeps it (default: computed here); ``progress``: a tqdm
+  bar of finished requests on stderr.
   """
   if config.semantics != "sglang":
     raise ValueError("simulate_sglang needs ServingConfig.semantics='sglang'")
-  prep = _prepare(config, tokens, arr, client, priority, parent, sample)
+  prep = _prepare(config, tokens, arr, client, priority, parent, sample, trie)
   num_requests = len(tokens[0])
   cfg = prep.cfg
   if max_steps is not None:
@@ -223,6 +240,7 @@ def simulate_sglang_batch(
       i["priority"],
       i.get("parent"),
       i.get("sample"),
+      i.get("trie"),
     )
     for c, i in zip(configs, inputs, strict=True)
   ]

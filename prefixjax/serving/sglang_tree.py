@@ -58,37 +58,11 @@ class Consts(NamedTuple):
   pv: jax.Array  # [R] int32 priority, higher first (``priority``), 0 default
 
 
-def prepare(
-  prompts,
-  outputs,
-  max_new,
-  arrival_steps,
-  rejected,
-  page_size: int,
-  arrival_ms=None,
-  arrival_frac=None,
-  sort_by=None,
-  client=None,
-  pv=None,
-) -> Consts:
-  """Host side: page paths, first-32-token groups and arrival ranks.
-
-  Args:
-    prompts: ``R`` prompt token sequences.
-    outputs: ``R`` output token sequences (at least ``max_new`` long).
-    max_new: ``[R]`` outputs each request samples (>= 1).
-    arrival_steps: ``[R]`` arrival step.
-    rejected: ``[R]`` bool, requests refused at arrival.
-    page_size: ``K``.
-    arrival_ms, arrival_frac: ``[R]`` a timed clock's arrival times (ms
-      and its fraction); zeros by default.
-    sort_by: ``[R]`` the arrival order's key (default ``arrival_steps``);
-      ties go by rid.
-    client: ``[R]`` dense client ids in ``0 .. R - 1`` (the ``fair``
-      policy's clients); all 0 by default.
-    pv: ``[R]`` the ``priority`` policy's priorities, signed so that
-      higher values go first (``|pv| < 2**30``); all 0 by default.
-  """
+def page_trie(prompts, outputs, max_new, page_size: int) -> dict:
+  """The trace's page trie on the host (what :func:`prepare` computes from
+  the tokens and the page size alone, so runs over one trace at other
+  arrivals can share it): ``pages`` ``[R, M]``, ``parent``, ``depth``,
+  ``tin``, ``tout`` ``[V]`` and ``g32`` ``[R]``, numpy arrays."""
   K = page_size
   R = len(prompts)
   ids: dict = {}
@@ -118,23 +92,70 @@ def prepare(
   pages = np.full((R, M), -1, np.int32)
   for r, row in enumerate(rows):
     pages[r, : len(row)] = row
+  tin, tout = _euler(np.asarray(parent, np.int64))
+  return dict(
+    pages=pages,
+    parent=np.asarray(parent, np.int32),
+    depth=np.asarray(depth, np.int32),
+    tin=tin,
+    tout=tout,
+    g32=g32,
+  )
+
+
+def prepare(
+  prompts,
+  outputs,
+  max_new,
+  arrival_steps,
+  rejected,
+  page_size: int,
+  arrival_ms=None,
+  arrival_frac=None,
+  sort_by=None,
+  client=None,
+  pv=None,
+  trie=None,
+) -> Consts:
+  """Host side: page paths, first-32-token groups and arrival ranks.
+
+  Args:
+    prompts: ``R`` prompt token sequences.
+    outputs: ``R`` output token sequences (at least ``max_new`` long).
+    max_new: ``[R]`` outputs each request samples (>= 1).
+    arrival_steps: ``[R]`` arrival step.
+    rejected: ``[R]`` bool, requests refused at arrival.
+    page_size: ``K``.
+    arrival_ms, arrival_frac: ``[R]`` a timed clock's arrival times (ms
+      and its fraction); zeros by default.
+    sort_by: ``[R]`` the arrival order's key (default ``arrival_steps``);
+      ties go by rid.
+    client: ``[R]`` dense client ids in ``0 .. R - 1`` (the ``fair``
+      policy's clients); all 0 by default.
+    pv: ``[R]`` the ``priority`` policy's priorities, signed so that
+      higher values go first (``|pv| < 2**30``); all 0 by default.
+    trie: :func:`page_trie` of these tokens and page size, when the
+      caller keeps it (default: computed here).
+  """
+  R = len(prompts)
+  if trie is None:
+    trie = page_trie(prompts, outputs, max_new, page_size)
   arrival = np.where(
     np.asarray(rejected, bool), _BIG, np.asarray(arrival_steps, np.int64)
   ).astype(np.int32)
-  tin, tout = _euler(np.asarray(parent, np.int64))
   key = arrival if sort_by is None else np.asarray(sort_by)
   order = np.lexsort((np.arange(R), key))
   rank = np.empty((R,), np.int32)
   rank[order] = np.arange(R, dtype=np.int32)
   return Consts(
-    pages=to_device(pages),
-    parent=to_device(np.asarray(parent, np.int32)),
-    depth=to_device(np.asarray(depth, np.int32)),
+    pages=to_device(trie["pages"]),
+    parent=to_device(trie["parent"]),
+    depth=to_device(trie["depth"]),
     prompt=to_device(np.asarray([len(p) for p in prompts], np.int32)),
     max_new=to_device(np.asarray(max_new, np.int32)),
     arrival=to_device(arrival),
     arr_rank=to_device(rank),
-    g32=to_device(g32),
+    g32=to_device(trie["g32"]),
     arr_ms=to_device(
       np.zeros((R,), np.int32) if arrival_ms is None else arrival_ms, jnp.int32
     ),
@@ -142,8 +163,8 @@ def prepare(
       np.zeros((R,), np.float32) if arrival_frac is None else arrival_frac,
       jnp.float32,
     ),
-    tin=to_device(tin),
-    tout=to_device(tout),
+    tin=to_device(trie["tin"]),
+    tout=to_device(trie["tout"]),
     client=to_device(
       np.zeros((R,), np.int32) if client is None else client, jnp.int32
     ),

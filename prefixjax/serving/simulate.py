@@ -635,11 +635,16 @@ def _sglang_inputs(
   ``step_time_ms`` was checked by :func:`check_run_arguments`; ``memo``:
   as :func:`_build`'s)."""
   memo = {} if memo is None else memo
+  from prefixjax.serving.sglang_sim import page_trie
+
   timer = _clock(clock, model, hardware)
   shape = ("tokens", config.max_model_len)
   if shape not in memo:
     memo[shape] = _request_tokens(records, config.max_model_len)
   tokens = memo[shape]
+  trie_shape = ("trie", config.block_size, config.max_model_len)
+  if trie_shape not in memo:
+    memo[trie_shape] = page_trie(tokens, config.block_size)
   if "client" not in memo:
     memo["client"] = _clients(records)
   arr = _arrival_arrays(
@@ -655,6 +660,7 @@ def _sglang_inputs(
     priority=priority,
     parent=_field(records, "parent"),
     sample=_field(records, "sample"),
+    trie=memo[trie_shape],
   )
   return inputs, timer
 

@@ -630,8 +630,9 @@ class SglangScheduler:
       retracted.append(req)
     if len(order) <= 1 and not fits(order):
       raise OutOfMemory("the last decoding request does not fit")
-    keep = set(order)
-    self.running = [r for i, r in enumerate(self.running) if i in keep]
+    # The kept batch in retraction-preference order: filter_batch(
+    # keep_indices=sorted_indices) (schedule_batch.py, lines 3532, 3873).
+    self.running = [self.running[i] for i in order]
     outs = sum(r.n_out for r in self.running)
     maxs = sum(r.max_new for r in self.running)
     self.ratio = min(
