@@ -1126,14 +1126,15 @@ def _cmd_simulate(args) -> int:
   prompts = np.asarray(trace.input_lengths)
   if (
     len(prompts)
-    and not ((prompts > 0) & (prompts < config.max_model_len)).any()
+    and not ((prompts > 0) & (prompts < config.prompt_limit)).any()
   ):
     # Every request would be rejected (serving.simulate's input rule, as
-    # vLLM's InputProcessor): say so before compiling anything.
+    # vLLM's InputProcessor or SGLang's input check): say so before
+    # compiling anything.
     raise CliError(
       f"all {len(prompts):,} requests would be rejected: prompts of "
       f"{int(prompts.min()):,}-{int(prompts.max()):,} tokens, none both "
-      f"non-empty and shorter than --max-model-len {config.max_model_len:,}"
+      f"non-empty and shorter than {_prompt_limit_words(config)}"
     )
   print(_simulate_header(args, trace, config), flush=True)
   start = time.perf_counter()
@@ -1156,16 +1157,16 @@ def _cmd_simulate(args) -> int:
     raise CliError(f"simulation ended with status {result.status}")
   metrics = result.metrics()
   if metrics["rejected"]:
-    # vLLM's input check: a prompt of max_model_len tokens or more (or an
-    # empty one) is refused before it is queued.
+    # The input check: a prompt of config.prompt_limit tokens or more (or
+    # an empty one) is refused before it is queued.
     lens = result.prompt_len[result.rejected]
     long = lens[lens > 0]
     why = []
     if len(long):
       why.append(
         f"{len(long)} with prompts of {int(long.min()):,}-"
-        f"{int(long.max()):,} tokens, not shorter than --max-model-len "
-        f"{config.max_model_len:,}"
+        f"{int(long.max()):,} tokens, not shorter than "
+        f"{_prompt_limit_words(config)}"
       )
     if len(long) < len(lens):
       why.append(f"{len(lens) - len(long)} with empty prompts")
@@ -1224,6 +1225,16 @@ def _cmd_simulate(args) -> int:
             line[key] = rec[key]
         f.write(json.dumps(line) + "\n")
   return 0
+
+
+def _prompt_limit_words(config) -> str:
+  """The rejection limit of :attr:`ServingConfig.prompt_limit` in words."""
+  if config.semantics == "sglang":
+    return (
+      f"{config.prompt_limit:,} tokens (SGLang's max_req_input_len: "
+      f"--max-model-len {config.max_model_len:,} - 6)"
+    )
+  return f"--max-model-len {config.max_model_len:,}"
 
 
 def _simulate_header(args, trace, config) -> str:

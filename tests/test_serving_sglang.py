@@ -375,13 +375,74 @@ def test_one_at_a_time_equals_the_sglang_replay(rng):
   K = int(rng.choice([2, 4]))
   longest = int(np.max(trace.input_lengths + trace.output_lengths))
   pages = longest // K + 8  # the longest fits; the rest evicts
+  # SGLang's context_len - 6 input limit and - 2 output clip leave all in.
   cfg = _config(
-    pages, K, 1, 0, 16384, longest + 1, "fcfs", waiting_prefix_refresh=False
+    pages, K, 1, 0, 16384, longest + 7, "fcfs", waiting_prefix_refresh=False
   )
   res = serving.simulate(trace, cfg)
   assert res.ok and not res.rejected.any()
   hits, _ = hits_and_free(trace, K, [pages], waiting_refresh_interval=None)
   np.testing.assert_array_equal(res.hit_first_sched, np.asarray(hits)[0])
+
+
+def test_request_lengths_follow_sglang_near_the_context_limit(rng):
+  """SGLang 0.5.23's length rules with ``max_model_len`` as
+  ``--context-length`` (``Scheduler.init_req_max_new_tokens``,
+  ``validate_input_length``, ``TpModelWorker.get_worker_info``): prompts of
+  ``max_model_len - 6`` tokens or more are aborted; outputs are clipped to
+  ``max_model_len - 2 - P``, and with the pool (80 tokens) within two pages
+  of ``max_model_len`` (70) to ``pool - ceil_page(P) - page - 1`` as well,
+  which is the tighter one for some prompts here. Step-exact against the
+  model, and every request's output count against the formula."""
+  K, pages, mml = 8, 10, 70
+  cfg = _config(pages, K, 4, 16, 64, mml, "fcfs")
+  bases = [rng.integers(1, 9, mml).tolist() for _ in range(3)]
+  records = []
+  for _ in range(30):
+    n = int(rng.integers(46, mml - 2))
+    head = bases[int(rng.integers(3))][: int(rng.integers(n // 2, n))]
+    o = int(rng.integers(1, 30))
+    records.append(
+      dict(
+        input_tok_ids=head + rng.integers(1, 9, n - len(head)).tolist(),
+        output_toks=o,
+        output_tok_ids=rng.integers(1, 9, o).tolist(),
+      )
+    )
+  lens = np.asarray([len(r["input_tok_ids"]) for r in records])
+  assert (lens >= mml - 6).any() and (lens < mml - 6).any(), lens
+  arrival = np.sort(rng.integers(0, 40, len(records)))
+  _assert_same(cfg, records, arrival)
+  res = _run(cfg, records, arrival)
+  assert res.ok
+  np.testing.assert_array_equal(res.rejected, lens >= mml - 6)
+  want = [
+    min(r["output_toks"], mml - 2 - p, pages * K - -(-p // K) * K - K - 1)
+    for r, p in zip(records, lens, strict=True)
+  ]
+  ok = lens < mml - 6
+  np.testing.assert_array_equal(
+    res.num_output_tokens[ok], np.asarray(want)[ok]
+  )
+  tighter = [
+    pages * K - -(-p // K) * K - K - 1 < min(r["output_toks"], mml - 2 - p)
+    for r, p in zip(records, lens, strict=True)
+  ]
+  print("clipped by the allocator bound:", int(np.sum(np.asarray(tighter) & ok)))
+
+
+def test_a_prompt_left_no_output_by_sglangs_allocator_is_refused():
+  """A 120-token prompt, page 16, context 127, 144 pool tokens: SGLang's
+  ``max_new_tokens_for_memory`` gives ``144 - 128 - 16 - 1 = -1``, so
+  SGLang would serve it prefill-only; the simulator refuses it by record
+  before any work."""
+  cfg = _config(9, 16, 2, 0, 16384, 127, "fcfs")
+  records = [
+    dict(input_tok_ids=[1] * 10, output_toks=3),
+    dict(input_tok_ids=list(range(1, 121)), output_toks=3),
+  ]
+  with pytest.raises(ValueError, match=r"record 1: .*120 tokens.*= -1"):
+    serving.simulate(records, cfg)
 
 
 def test_timed_clock_keeps_the_decisions_and_metrics_read_the_run(rng):
@@ -430,6 +491,7 @@ def test_timed_clock_keeps_the_decisions_and_metrics_read_the_run(rng):
       "max_num_batched_tokens=-1 must be >= 1",
     ),
     (dict(max_prefill_tokens=2**31), r"max_prefill_tokens=.* int32"),
+    (dict(max_model_len=7), "max_model_len=7 must be >= 8"),
   ],
 )
 def test_bad_sglang_configs_are_refused(kwargs, needle):

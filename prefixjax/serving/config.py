@@ -68,7 +68,11 @@ class ServingConfig:
       ``"sglang"`` (a chunk is cut to whole pages) but kept under
       ``"vllm"``, which accepts it (a chunk then fills part of a block).
     max_model_len: longest sequence (prompt + output); a request stops at
-      it, and a prompt of this length or more is rejected.
+      it, and a prompt of this length or more is rejected. Under
+      ``"sglang"`` it is SGLang's ``--context-length`` with SGLang's
+      rules (:attr:`prompt_limit`): prompts of ``max_model_len - 6``
+      tokens or more are aborted and a request samples at most
+      ``max_model_len - 2 - prompt`` tokens.
     chunked_prefill: whether a prompt may be split over several steps.
     long_prefill_token_threshold: cap on one request's tokens per step
       while more than one request is running or waiting; 0 is no cap.
@@ -319,6 +323,13 @@ class ServingConfig:
         f"{self.max_num_batched_tokens} (SGLang's chunked_prefill_size) "
         f"must be >= block_size={k}: a chunk is cut to whole pages"
       )
+    if self.max_model_len < 8:
+      raise ValueError(
+        f"ServingConfig.max_model_len={self.max_model_len} must be >= 8 "
+        "with semantics='sglang': SGLang aborts every prompt of "
+        "context_len - 6 tokens or more (max_req_input_len, "
+        "managers/tp_worker.py), so a shorter context admits nothing"
+      )
     pages = self.num_gpu_blocks - 1
     if self.max_model_len + k >= pages * k:
       raise ValueError(
@@ -337,6 +348,22 @@ class ServingConfig:
   @property
   def scheduler_name(self) -> str:
     return self.scheduler_object.name
+
+  @property
+  def prompt_limit(self) -> int:
+    """Prompts of this many tokens or more are rejected (so are empty ones).
+
+    ``"vllm"``: ``max_model_len`` (vLLM 0.33 ``InputProcessor``).
+    ``"sglang"``: SGLang 0.5.23's ``max_req_input_len = max_req_len - 5``
+    with ``max_req_len = min(context_len - 1, pool tokens - 1)``
+    (``managers/tp_worker.py`` ``get_worker_info``; the abort in
+    ``managers/utils.py`` ``validate_input_length``), which is
+    ``max_model_len - 6`` here, the pool always holding more than
+    ``max_model_len`` tokens.
+    """
+    if self.semantics != "sglang":
+      return self.max_model_len
+    return min(self.max_model_len - 1, self.usable_blocks * self.block_size - 1) - 5
 
   @property
   def usable_blocks(self) -> int:

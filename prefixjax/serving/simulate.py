@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -407,17 +407,56 @@ def arrival_steps(
   return np.asarray(steps, np.int32)
 
 
-def _request_tokens(records: list[Mapping[str, Any]], max_model_len: int):
+class _Lengths(NamedTuple):
+  """What bounds a request's length under a configuration (hashable: the
+  key of the memo entries built from it). A prompt of ``prompt_limit``
+  tokens or more (or an empty one) is rejected; the others sample
+  ``min(max_tokens, total - P)`` tokens, and under SGLang's allocator bound
+  (``pool`` tokens, ``page`` tokens a page) at most ``pool - ceil_page(P)
+  - page - 1``."""
+
+  prompt_limit: int
+  total: int
+  pool: int | None = None
+  page: int | None = None
+
+
+def _lengths(config: ServingConfig) -> _Lengths:
+  """vLLM 0.33: prompts rejected from ``max_model_len`` tokens
+  (``InputProcessor``), outputs cut at ``max_model_len`` (the scheduler's
+  ``check_stop``). SGLang 0.5.23's ``Scheduler.init_req_max_new_tokens``
+  (``managers/scheduler.py``): ``max_new_tokens`` clipped to ``max_req_len
+  - P - 1``, then to the allocator's ``max_new_tokens_for_memory``
+  (``mem_cache/allocator/base.py``: ``capacity - ceil_page(P) - page -
+  1``); that bound is at least ``max_model_len - P`` (so never binds) when
+  the pool holds ``max_model_len + 2 * page`` tokens or more, and is left
+  out of the key then, so sweeps over larger pools share one entry."""
+  if config.semantics != "sglang":
+    return _Lengths(config.max_model_len, config.max_model_len)
+  k = config.block_size
+  pool = config.usable_blocks * k
+  max_req_len = min(config.max_model_len - 1, pool - 1)
+  if pool >= config.max_model_len + 2 * k:
+    return _Lengths(config.prompt_limit, max_req_len - 1)
+  return _Lengths(config.prompt_limit, max_req_len - 1, pool, k)
+
+
+def _request_tokens(records: list[Mapping[str, Any]], lengths: _Lengths):
   """Each record's prompt and the outputs it will sample, on the host.
 
-  A prompt that is empty or of ``max_model_len`` tokens or more is rejected
-  (vLLM's ``InputProcessor``; SGLang refuses it too) and gets no outputs;
-  the others sample ``min(max_tokens, max_model_len - P)`` tokens: the
+  A prompt that is empty or of ``lengths.prompt_limit`` tokens or more is
+  rejected (vLLM's ``InputProcessor``; SGLang aborts it) and gets no
+  outputs; the others sample :class:`_Lengths`'s number of tokens: the
   record's ``output_tok_ids``, then :func:`fabricated_token`'s.
 
   Returns:
     ``(prompts, outputs, prompt_len, max_tokens, rejected)``: ``R`` int64
     arrays each, then ``[R]`` int32, ``[R]`` int32 and ``[R]`` bool.
+
+  Raises:
+    ValueError: under SGLang's allocator bound a prompt leaves no room for
+      an output (SGLang would serve it as a prefill-only request, which is
+      not modelled).
   """
   r = len(records)
   prompts, outputs = [], []
@@ -429,11 +468,23 @@ def _request_tokens(records: list[Mapping[str, Any]], max_model_len: int):
     p = len(prompt)
     prompt_len[rid], max_tokens[rid] = p, mt
     prompts.append(prompt)
-    if not 0 < p < max_model_len:
+    if not 0 < p < lengths.prompt_limit:
       rejected[rid] = True
       outputs.append(np.zeros((0,), np.int64))
       continue
-    n_out = min(mt, max_model_len - p)
+    n_out = min(mt, lengths.total - p)
+    if lengths.pool is not None:
+      k = lengths.page
+      room = lengths.pool - -(-p // k) * k - k - 1
+      if room < 1:
+        raise ValueError(
+          f"record {rid}: a prompt of {p} tokens leaves SGLang's allocator "
+          f"no output token (max_new_tokens_for_memory: {lengths.pool} pool "
+          f"tokens - {-(-p // k) * k} prompt page tokens - page {k} - 1 = "
+          f"{room}); SGLang would serve it prefill-only, which is not "
+          "modelled: raise num_gpu_blocks"
+        )
+      n_out = min(n_out, room)
     given = min(len(out_ids), n_out)
     pos = np.arange(given, n_out, dtype=np.int64)  # fabricated_token's rule
     fab = (rid * 7919 + pos) % NUM_FABRICATED_VOCAB + 1
@@ -441,12 +492,24 @@ def _request_tokens(records: list[Mapping[str, Any]], max_model_len: int):
   return prompts, outputs, prompt_len, max_tokens, rejected
 
 
-def _prepare(records: list[Mapping[str, Any]], config: ServingConfig):
-  k, mml = config.block_size, config.max_model_len
+def _tokens(records, config: ServingConfig, memo: dict):
+  """:func:`_request_tokens` under ``config``'s :func:`_lengths`, kept in
+  ``memo`` (one entry serves every configuration with the same bounds,
+  both semantics)."""
+  key = ("tokens", _lengths(config))
+  if key not in memo:
+    memo[key] = _request_tokens(records, key[1])
+  return memo[key]
+
+
+def _prepare(
+  records: list[Mapping[str, Any]], config: ServingConfig, memo: dict
+):
+  k = config.block_size
   m = config.max_blocks_per_seq
   r = len(records)
-  prompts, outputs, prompt_len, max_tokens, rejected = _request_tokens(
-    records, mml
+  prompts, outputs, prompt_len, max_tokens, rejected = _tokens(
+    records, config, memo
   )
   empty = np.zeros((0,), np.int64)
   seqs = [
@@ -638,11 +701,8 @@ def _sglang_inputs(
   from prefixjax.serving.sglang_sim import page_trie
 
   timer = _clock(clock, model, hardware)
-  shape = ("tokens", config.max_model_len)
-  if shape not in memo:
-    memo[shape] = _request_tokens(records, config.max_model_len)
-  tokens = memo[shape]
-  trie_shape = ("trie", config.block_size, config.max_model_len)
+  tokens = _tokens(records, config, memo)
+  trie_shape = ("trie", config.block_size, _lengths(config))
   if trie_shape not in memo:
     memo[trie_shape] = page_trie(tokens, config.block_size)
   if "client" not in memo:
@@ -875,8 +935,9 @@ def _build(
 
   ``memo``: a dict shared by the builds of one batch over the same
   records, which keeps what depends on the records and the token shapes
-  alone (the block keys, the clients), so a batch hashes the prompts once
-  per ``(block_size, max_model_len)``, not once per configuration.
+  alone (the tokens, the block keys, the clients), so a batch hashes the
+  prompts once per ``(block_size, max_model_len)``, not once per
+  configuration.
   """
   memo = {} if memo is None else memo
   if not isinstance(config, ServingConfig):
@@ -897,7 +958,7 @@ def _build(
   client = memo["client"]
   shape = ("prepared", config.block_size, config.max_model_len)
   if shape not in memo:
-    memo[shape] = _prepare(records, config)
+    memo[shape] = _prepare(records, config, memo)
   keys, prompt_len, max_tokens, rejected, lens = memo[shape]
   r = len(records)
   order = np.lexsort((np.arange(r), sort_by)).astype(np.int32)
@@ -1205,8 +1266,8 @@ class TraceRuns:
   A sweep runs each point of a group as its own call (on a CPU, where the
   configurations run one after another). Each call would check and fan
   out the records again, parse their tokens and hash their blocks; calls
-  through one ``TraceRuns`` share that work, per ``(block_size,
-  max_model_len)`` (the built-in workload's 4,000 requests: a call's host
+  through one ``TraceRuns`` share that work, per block size and length
+  bounds (:func:`_lengths`; the built-in workload's 4,000 requests: a call's host
   preparation about 0.16-0.20 s alone, 0.02 s shared, on a 2-core CPU).
   The records are private copies, so the shared results cannot go stale;
   the calls may run on several threads.

@@ -139,10 +139,17 @@ from the source only:
 the oracle cannot drive SGLang's ``Scheduler`` itself (it needs a model
 runner).
 
+Request lengths (``Scheduler.init_req_max_new_tokens``,
+``validate_input_length``, ``TpModelWorker.get_worker_info``; with
+``max_model_len`` as ``--context-length``): ``max_req_len = min(
+max_model_len - 1, pool tokens - 1)``; a prompt of ``max_req_len - 5``
+tokens or more is aborted (rejected); outputs are clipped to ``max_req_len
+- prompt - 1`` and to ``pool - ceil_page(prompt) - page - 1``.
+
 Choices of this model (not SGLang rules): a step is one loop iteration; a
-prompt of ``max_model_len`` tokens or more is rejected and outputs are cut
-at ``max_model_len - prompt``; a prefill allocation that does not fit
-raises (SGLang raises "Prefill out of memory" too).
+prefill allocation that does not fit raises (SGLang raises "Prefill out of
+memory" too); a request clipped to no output (SGLang's prefill-only
+requests) raises.
 """
 
 from __future__ import annotations
@@ -244,6 +251,7 @@ class SglangScheduler:
     if policy not in POLICIES:
       raise ValueError(f"policy {policy!r} not in {POLICIES}")
     self.K = page_size
+    self.num_pages = num_pages
     self.tree = SglangRadixCache(num_pages, page_size)
     self.max_running = max_running_requests
     self.chunk = chunked_prefill_size
@@ -273,6 +281,25 @@ class SglangScheduler:
     self.preempted: list[_Req] = []  # this step's preemptions
 
   # --------------------------------------------------------------- helpers
+  def _max_req_len(self) -> int:
+    """``TpModelWorker.get_worker_info``: ``min(context_len - 1,
+    kv_capacity - 1)``; the request input limit is this minus 5."""
+    return min(self.max_model_len - 1, self.num_pages * self.K - 1)
+
+  def _init_max_new_tokens(self, input_len: int, max_new: int) -> int:
+    """``Scheduler.init_req_max_new_tokens`` with one KV shard: the
+    context clip, then ``max_new_tokens_for_memory``'s page-rounded one."""
+    max_new = max(0, min(max_new, self._max_req_len() - input_len - 1))
+    paged = -(-input_len // self.K) * self.K
+    capacity = self.num_pages * self.K
+    max_new = max(0, min(max_new, capacity - paged - self.K - 1))
+    if max_new == 0 and 0 < input_len < self._max_req_len() - 5:
+      raise NotImplementedError(
+        f"a prompt of {input_len} tokens gets max_new_tokens 0: SGLang "
+        "serves it prefill-only, which this model does not"
+      )
+    return max_new
+
   def _keys(self, tokens: Sequence[int]) -> list:
     return page_keys_for_tokens(tokens, self.K)
 
@@ -688,9 +715,9 @@ class SglangScheduler:
         if ids is not None
         else [fabricated(rid, j) for j in range(o)]
       )
-      if len(prompt) >= self.max_model_len:
+      o = self._init_max_new_tokens(len(prompt), o)
+      if not 0 < len(prompt) < self._max_req_len() - 5:
         rejected.add(rid)
-      o = min(o, self.max_model_len - len(prompt))
       reqs.append(
         _Req(
           rid,
