@@ -1125,8 +1125,7 @@ def _cmd_simulate(args) -> int:
   load_s = time.perf_counter() - start
   prompts = np.asarray(trace.input_lengths)
   if (
-    len(prompts)
-    and not ((prompts > 0) & (prompts < config.prompt_limit)).any()
+    len(prompts) and not ((prompts > 0) & (prompts < config.prompt_limit)).any()
   ):
     # Every request would be rejected (serving.simulate's input rule, as
     # vLLM's InputProcessor or SGLang's input check): say so before

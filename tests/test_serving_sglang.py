@@ -421,14 +421,13 @@ def test_request_lengths_follow_sglang_near_the_context_limit(rng):
     for r, p in zip(records, lens, strict=True)
   ]
   ok = lens < mml - 6
-  np.testing.assert_array_equal(
-    res.num_output_tokens[ok], np.asarray(want)[ok]
-  )
+  np.testing.assert_array_equal(res.num_output_tokens[ok], np.asarray(want)[ok])
   tighter = [
     pages * K - -(-p // K) * K - K - 1 < min(r["output_toks"], mml - 2 - p)
     for r, p in zip(records, lens, strict=True)
   ]
-  print("clipped by the allocator bound:", int(np.sum(np.asarray(tighter) & ok)))
+  n = int(np.sum(np.asarray(tighter) & ok))
+  print("clipped by the allocator bound:", n)
 
 
 def test_a_prompt_left_no_output_by_sglangs_allocator_is_refused():

@@ -363,7 +363,8 @@ class ServingConfig:
     """
     if self.semantics != "sglang":
       return self.max_model_len
-    return min(self.max_model_len - 1, self.usable_blocks * self.block_size - 1) - 5
+    pool = self.usable_blocks * self.block_size
+    return min(self.max_model_len - 1, pool - 1) - 5
 
   @property
   def usable_blocks(self) -> int:

@@ -1267,10 +1267,10 @@ class TraceRuns:
   configurations run one after another). Each call would check and fan
   out the records again, parse their tokens and hash their blocks; calls
   through one ``TraceRuns`` share that work, per block size and length
-  bounds (:func:`_lengths`; the built-in workload's 4,000 requests: a call's host
-  preparation about 0.16-0.20 s alone, 0.02 s shared, on a 2-core CPU).
-  The records are private copies, so the shared results cannot go stale;
-  the calls may run on several threads.
+  bounds (:func:`_lengths`; the built-in workload's 4,000 requests: a
+  call's host preparation about 0.16-0.20 s alone, 0.02 s shared, on a
+  2-core CPU). The records are private copies, so the shared results
+  cannot go stale; the calls may run on several threads.
   """
 
   def __init__(self, trace: Trace | Iterable[Mapping[str, Any]]):
