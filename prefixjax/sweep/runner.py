@@ -221,22 +221,17 @@ def _cluster_group(trace, points: Sequence[Point], vectorize, devices):
   return rows, None, time.perf_counter() - start
 
 
-def _simulate_group(
-  trace, points: Sequence[Point], vectorize, devices, runs=None
-):
+def _simulate_group(trace, points: Sequence[Point], vectorize, devices, runs):
   """A group of simulate points as one :func:`simulate_batch` call;
   ``runs``: the trace's :class:`~prefixjax.serving.simulate.TraceRuns`
-  (shared by the calls of one sweep on that trace)."""
-  from prefixjax.serving.simulate import TraceRuns
-
+  (shared by the calls of one sweep on that trace; ``None`` for a router
+  group, which runs through ``simulate_cluster``)."""
   p0 = points[0]
   if p0.get("router") is not None:
     return _cluster_group(trace, points, vectorize, devices)
   configs = [serving_config(dict(p.params)) for p in points]
   roofline = p0.get("clock") == "roofline"
   start = time.perf_counter()
-  if runs is None:
-    runs = TraceRuns(trace)
   results = runs.simulate_batch(
     configs,
     arrivals=p0.get("arrivals"),
