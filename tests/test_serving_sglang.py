@@ -385,6 +385,44 @@ def test_one_at_a_time_equals_the_sglang_replay(rng):
   np.testing.assert_array_equal(res.hit_first_sched, np.asarray(hits)[0])
 
 
+def _near_limit_records(rng, mml, n=30):
+  """Prompts of 46 to ``mml - 3`` tokens sharing prefixes, outputs 1-29."""
+  bases = [rng.integers(1, 9, mml).tolist() for _ in range(3)]
+  records = []
+  for _ in range(n):
+    p = int(rng.integers(46, mml - 2))
+    head = bases[int(rng.integers(3))][: int(rng.integers(p // 2, p))]
+    o = int(rng.integers(1, 30))
+    records.append(
+      dict(
+        input_tok_ids=head + rng.integers(1, 9, p - len(head)).tolist(),
+        output_toks=o,
+        output_tok_ids=rng.integers(1, 9, o).tolist(),
+      )
+    )
+  return records
+
+
+def test_trace_runs_keep_the_pool_in_the_length_rule(rng):
+  """A sweep's calls through one ``TraceRuns`` at one page size and
+  context but two pools: the small pool's allocator bound cuts outputs
+  the large pool's does not, so each call must equal a call of its own
+  (a memo keyed without the pool would hand the second the first's
+  lengths)."""
+  from prefixjax.serving.simulate import TraceRuns
+
+  records = _near_limit_records(rng, 70)
+  runs = TraceRuns(records)
+  got = []
+  for pages in (60, 10):
+    cfg = _config(pages, 8, 4, 16, 64, 70, "fcfs")
+    res = runs.simulate_batch([cfg])[0]
+    alone = serving.simulate(records, cfg)
+    assert res.requests() == alone.requests()
+    got.append(res.num_output_tokens)
+  assert (got[1] < got[0]).any()
+
+
 def test_request_lengths_follow_sglang_near_the_context_limit(rng):
   """SGLang 0.5.23's length rules with ``max_model_len`` as
   ``--context-length`` (``Scheduler.init_req_max_new_tokens``,
@@ -396,19 +434,7 @@ def test_request_lengths_follow_sglang_near_the_context_limit(rng):
   model, and every request's output count against the formula."""
   K, pages, mml = 8, 10, 70
   cfg = _config(pages, K, 4, 16, 64, mml, "fcfs")
-  bases = [rng.integers(1, 9, mml).tolist() for _ in range(3)]
-  records = []
-  for _ in range(30):
-    n = int(rng.integers(46, mml - 2))
-    head = bases[int(rng.integers(3))][: int(rng.integers(n // 2, n))]
-    o = int(rng.integers(1, 30))
-    records.append(
-      dict(
-        input_tok_ids=head + rng.integers(1, 9, n - len(head)).tolist(),
-        output_toks=o,
-        output_tok_ids=rng.integers(1, 9, o).tolist(),
-      )
-    )
+  records = _near_limit_records(rng, mml)
   lens = np.asarray([len(r["input_tok_ids"]) for r in records])
   assert (lens >= mml - 6).any() and (lens < mml - 6).any(), lens
   arrival = np.sort(rng.integers(0, 40, len(records)))
