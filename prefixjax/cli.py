@@ -882,7 +882,16 @@ def _add_simulate(subparsers) -> None:
   )
   p.add_argument("--max-num-seqs", type=int, default=64)
   p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-  p.add_argument("--max-model-len", type=int, default=4096)
+  p.add_argument(
+    "--max-model-len",
+    type=int,
+    default=4096,
+    metavar="L",
+    help="longest sequence (default 4096): vllm rejects prompts of L tokens "
+    "or more and stops outputs at L; under --semantics sglang it is "
+    "--context-length (prompts of L - 6 or more aborted, outputs at most "
+    "L - 2 - prompt)",
+  )
   p.add_argument(
     "--chunked-prefill",
     action=argparse.BooleanOptionalAction,
