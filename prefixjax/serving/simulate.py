@@ -494,8 +494,8 @@ def _request_tokens(records: list[Mapping[str, Any]], lengths: _Lengths):
 
 def _tokens(records, config: ServingConfig, memo: dict):
   """:func:`_request_tokens` under ``config``'s :func:`_lengths`, kept in
-  ``memo`` (one entry serves every configuration with the same bounds,
-  both semantics)."""
+  ``memo``: one entry serves every configuration with the same bounds
+  (either semantics' loop reads it)."""
   key = ("tokens", _lengths(config))
   if key not in memo:
     memo[key] = _request_tokens(records, key[1])
