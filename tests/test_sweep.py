@@ -903,6 +903,44 @@ def test_a_trace_request_without_output_is_refused_before_any_point(
   assert not (out / "points").exists() or not any((out / "points").iterdir())
 
 
+def test_an_sglang_prompt_left_no_output_is_refused_before_any_point(
+  rng, tmp_path
+):
+  """Page 16, context 127, 9 usable pages (144 tokens): SGLang's allocator
+  bound ``144 - ceil_page(P) - 16 - 1`` leaves prompts of 113-120 tokens
+  (still under the 121-token input limit) no output token, SGLang's
+  prefill-only path; the point with that pool is refused by name before
+  any runs, the one with 20 pages would run."""
+  n = 6
+  bad_at = int(rng.integers(n))
+  bad_len = int(rng.integers(113, 121))
+  lines = []
+  for i in range(n):
+    p = bad_len if i == bad_at else int(rng.integers(4, 100))
+    tokens = rng.integers(1, 50, p).tolist()
+    lines.append(
+      json.dumps(
+        dict(input_tok_ids=tokens, output_toks=3, arrival_time_ns=i * 1000)
+      )
+    )
+  (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+  path = _write(
+    tmp_path,
+    "[workloads.t]\ntrace = 't.jsonl'\n[simulate]\nsemantics = 'sglang'\n"
+    "block_size = 16\nnum_blocks = [20, 9]\nmax_num_seqs = 2\n"
+    "max_num_batched_tokens = 256\nmax_model_len = 127\n",
+  )
+  out = tmp_path / "out"
+  with pytest.raises(SweepError) as err:
+    run_sweep(path, out, plots=False)
+  assert str(err.value).startswith(
+    f"{path}: simulate point 1 (workload t, num_blocks=9): request {bad_at} "
+    f"(0-based; 1 in all): a prompt of {bad_len} tokens"
+  ), err.value
+  assert "prefill-only" in str(err.value)
+  assert not (out / "points").exists() or not any((out / "points").iterdir())
+
+
 def test_a_folder_of_other_files_is_not_written_into(tmp_path):
   path = _write(tmp_path, "[replay]\ncapacity = 8\n")
   out = tmp_path / "mine"

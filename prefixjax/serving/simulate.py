@@ -474,22 +474,53 @@ def _request_tokens(records: list[Mapping[str, Any]], lengths: _Lengths):
       continue
     n_out = min(mt, lengths.total - p)
     if lengths.pool is not None:
-      k = lengths.page
-      room = lengths.pool - -(-p // k) * k - k - 1
-      if room < 1:
-        raise ValueError(
-          f"record {rid}: a prompt of {p} tokens leaves SGLang's allocator "
-          f"no output token (max_new_tokens_for_memory: {lengths.pool} pool "
-          f"tokens - {-(-p // k) * k} prompt page tokens - page {k} - 1 = "
-          f"{room}); SGLang would serve it prefill-only, which is not "
-          "modelled: raise num_gpu_blocks"
-        )
-      n_out = min(n_out, room)
+      n_out = min(n_out, int(_pool_room(np.int64(p), lengths)))
+      if n_out < 1:
+        raise ValueError(f"record {rid}: {_no_room_words(p, lengths)}")
     given = min(len(out_ids), n_out)
     pos = np.arange(given, n_out, dtype=np.int64)  # fabricated_token's rule
     fab = (rid * 7919 + pos) % NUM_FABRICATED_VOCAB + 1
     outputs.append(np.concatenate([out_ids[:given], fab]))
   return prompts, outputs, prompt_len, max_tokens, rejected
+
+
+def _pool_room(prompt_len: np.ndarray, lengths: _Lengths) -> np.ndarray:
+  """SGLang's ``max_new_tokens_for_memory`` bound for these prompts."""
+  k = lengths.page
+  return lengths.pool - -(-prompt_len // k) * k - k - 1
+
+
+def _no_room_words(p: int, lengths: _Lengths) -> str:
+  k = lengths.page
+  return (
+    f"a prompt of {p} tokens leaves SGLang's allocator no output token "
+    f"(max_new_tokens_for_memory: {lengths.pool} pool tokens - "
+    f"{-(-p // k) * k} prompt page tokens - page {k} - 1 = "
+    f"{int(_pool_room(np.int64(p), lengths))}); SGLang would serve it "
+    "prefill-only, which is not modelled: give the pool more blocks "
+    "(num_gpu_blocks; --num-blocks, a sweep's num_blocks)"
+  )
+
+
+def prefill_only_message(prompt_len, config: ServingConfig) -> str | None:
+  """Why ``config`` cannot serve prompts of ``prompt_len`` tokens, or
+  None: under ``semantics="sglang"`` with the pool within two pages of
+  ``max_model_len``, an accepted prompt that SGLang's allocator bound
+  leaves no output token (SGLang's prefill-only path, not modelled).
+  :func:`simulate` refuses such a trace by record; a sweep checks its
+  points with this before any runs."""
+  lengths = _lengths(config)
+  if lengths.pool is None:
+    return None
+  p = np.asarray(prompt_len, np.int64)
+  bad = (p > 0) & (p < lengths.prompt_limit) & (_pool_room(p, lengths) < 1)
+  if not bad.any():
+    return None
+  i = int(np.argmax(bad))
+  return (
+    f"request {i} (0-based; {int(bad.sum())} in all): "
+    f"{_no_room_words(int(p[i]), lengths)}"
+  )
 
 
 def _tokens(records, config: ServingConfig, memo: dict):

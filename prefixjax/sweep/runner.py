@@ -370,6 +370,15 @@ def _check_on_trace(spec: SweepSpec, p: Point, trace) -> None:
         f"{spec.path or '<spec>'}: simulate point {p.index} (workload "
         f"{p.workload.name}): {why}"
       )
+  if p.mode == "simulate" and p.get("semantics") == "sglang":
+    from prefixjax.serving.simulate import prefill_only_message
+
+    config = serving_config(dict(p.params))
+    if why := prefill_only_message(trace.input_lengths, config):
+      raise SweepError(
+        f"{spec.path or '<spec>'}: simulate point {p.index} (workload "
+        f"{p.workload.name}, num_blocks={p.get('num_blocks')}): {why}"
+      )
   if p.mode != "replay":
     return
   where = (
