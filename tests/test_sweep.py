@@ -414,6 +414,34 @@ seed = [0, {seeds}]
   return _write(tmp_path, text)
 
 
+def test_groups_run_in_waves_with_the_programs_dropped_between(
+  rng, tmp_path, monkeypatch
+):
+  """``GROUPS_IN_MEMORY = 2``: the small spec's 5 groups (4 replay, 1
+  simulate run point by point) run in 3 waves with ``jax.clear_caches()``
+  between them (2 calls; none in a run of one wave), and the rows equal
+  the one-wave run's."""
+  import jax
+
+  from prefixjax.sweep import runner
+
+  path = _small_spec(rng, tmp_path)
+  calls = []
+  real = jax.clear_caches
+
+  def counted():
+    calls.append(1)
+    real()
+
+  monkeypatch.setattr(jax, "clear_caches", counted)
+  one = run_sweep(path, tmp_path / "one", plots=False)
+  assert calls == []
+  monkeypatch.setattr(runner, "GROUPS_IN_MEMORY", 2)
+  waves = run_sweep(path, tmp_path / "waves", plots=False)
+  assert len(calls) == 2
+  assert len(waves.rows) == 16 and waves.rows == one.rows
+
+
 def test_rows_equal_each_point_run_alone(rng, tmp_path):
   path = _small_spec(rng, tmp_path)
   spec = load_spec(path)

@@ -62,6 +62,13 @@ __all__ = [
 
 ROW_HEAD = ("index", "key", "mode", "workload", "workload_seed")
 
+# Groups run between two ``jax.clear_caches()``: JAX keeps every compiled
+# program in the process (on a CPU 30-150 MB each for the serving loops,
+# benchmarks/RESULTS.md, session 32), and a sweep's later points reuse
+# their group's program, so a sweep of many shapes runs its groups in
+# waves of this many and frees the programs between waves.
+GROUPS_IN_MEMORY = 16
+
 
 class SweepError(ValueError):
   """The sweep cannot run as asked (a different spec in DIR, a bad DIR)."""
@@ -574,16 +581,19 @@ def run_sweep(
   serial = spec.vectorize is False or (
     spec.vectorize is None and jax.default_backend() == "cpu"
   )
-  pieces, alone = [], []
-  for g in todo:
-    g = [p for p in g if p.key not in done]
-    if g[0].mode == "simulate" and serial:
-      # The first point compiles the group's program, alone; the others
-      # reuse it on threads (below).
-      pieces.append(g[:1])
-      alone += [[p] for p in g[1:]]
-    else:
-      pieces.append(g)
+
+  def split(wave):
+    pieces, alone = [], []
+    for g in wave:
+      g = [p for p in g if p.key not in done]
+      if g[0].mode == "simulate" and serial:
+        # The first point compiles the group's program, alone; the others
+        # reuse it on threads (below).
+        pieces.append(g[:1])
+        alone += [[p] for p in g[1:]]
+      else:
+        pieces.append(g)
+    return pieces, alone
 
   # A trace's simulate points share its checked records and block keys
   # (the built-in workload's 4,000 requests: about 0.2 s of host work a
@@ -591,7 +601,7 @@ def run_sweep(
   from prefixjax.serving.simulate import TraceRuns
 
   runs = {}
-  for g in pieces:
+  for g in todo:
     key = _workload_key(g[0])
     if g[0].mode == "simulate" and g[0].get("router") is None:
       if key not in runs:
@@ -623,20 +633,30 @@ def run_sweep(
     if bar is not None:
       bar.update(len(g))
 
-  # The groups (and each serial simulate group's first point) run on a
-  # thread per core: each compiles its own program, XLA's compile and the
-  # compiled loop release the GIL, so two compile at once on two cores
-  # (experiments/scheduling.toml, every program compiled: 119-123 s one
-  # group at a time, 95 s on two threads). Then the other serial simulate
-  # points, the same way. Each piece is recorded as soon as it is done, in
-  # whatever order they finish (rows are put in spec order at the end).
+  # In each wave of GROUPS_IN_MEMORY groups, the groups (and each serial
+  # simulate group's first point) run on a thread per core: each compiles
+  # its own program, XLA's compile and the compiled loop release the GIL,
+  # so two compile at once on two cores (experiments/scheduling.toml,
+  # every program compiled: 119-123 s one group at a time, 95 s on two
+  # threads). Then the other serial simulate points, the same way. Each
+  # piece is recorded as soon as it is done, in whatever order they finish
+  # (rows are put in spec order at the end). Between waves nothing runs and
+  # the compiled programs are dropped.
   from prefixjax._host import as_done_on_threads
 
+  waves = [
+    todo[i : i + GROUPS_IN_MEMORY]
+    for i in range(0, len(todo), GROUPS_IN_MEMORY)
+  ]
   try:
-    for i, result in as_done_on_threads(run_piece, pieces):
-      record(pieces[i], *result)
-    for i, result in as_done_on_threads(run_piece, alone):
-      record(alone[i], *result)
+    for w, wave in enumerate(waves):
+      if w:
+        jax.clear_caches()
+      pieces, alone = split(wave)
+      for i, result in as_done_on_threads(run_piece, pieces):
+        record(pieces[i], *result)
+      for i, result in as_done_on_threads(run_piece, alone):
+        record(alone[i], *result)
   finally:
     if bar is not None:
       bar.close()
@@ -644,7 +664,7 @@ def run_sweep(
   if count > 1:
     needed = {p.key for p in spec.points if p.workload.name not in missing}
     if index != 0:
-      mine = {p.key for g in pieces for p in g}
+      mine = {p.key for g in todo for p in g}
       rows = tuple(_row(p, done) for p in spec.points if p.key in mine)
       return SweepResult(spec=spec, rows=rows, out=out, timing=tuple(timing))
     waited = False
