@@ -435,10 +435,11 @@ def _lengths(config: ServingConfig) -> _Lengths:
     return _Lengths(config.max_model_len, config.max_model_len)
   k = config.block_size
   pool = config.usable_blocks * k
-  max_req_len = min(config.max_model_len - 1, pool - 1)
+  limit = config.prompt_limit  # SGLang's max_req_input_len = max_req_len - 5
+  total = limit + 5 - 1  # at most max_req_len - P - 1 outputs
   if pool >= config.max_model_len + 2 * k:
-    return _Lengths(config.prompt_limit, max_req_len - 1)
-  return _Lengths(config.prompt_limit, max_req_len - 1, pool, k)
+    return _Lengths(limit, total)
+  return _Lengths(limit, total, pool, k)
 
 
 def _request_tokens(records: list[Mapping[str, Any]], lengths: _Lengths):
