@@ -12,6 +12,8 @@ retraction pressure, and one case checks that they retract.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from reference_models.sglang_scheduler import SglangScheduler
@@ -151,6 +153,53 @@ def test_step_exact_against_python_model(rng, case):
     np.zeros(n, np.int64) if together else np.sort(rng.integers(0, 80, n))
   )
   _assert_same(cfg, records, arrival)
+
+
+def _random_case(rng):
+  """A random small engine for the fuzz test: page 1-16, 1-11 running
+  requests, chunked (8-64 tokens, at least a page) or not, prefill budget
+  1-4 x max_model_len, fcfs / lpm / dfs, the pool tight (within twice
+  what one request needs) six times in ten."""
+  k = int(rng.choice([1, 2, 4, 8, 16]))
+  mml = int(rng.integers(40, 120))
+  need = -(-mml // k) + 2
+  extra = need + 1 if rng.random() < 0.6 else 3 * need
+  chunk = int(rng.choice([0, 8, 16, 32, 64]))
+  return (
+    int(need + rng.integers(1, extra)),
+    k,
+    int(rng.integers(1, 12)),
+    max(chunk, k) if chunk else 0,
+    int(rng.choice([1, 2, 4])) * mml,
+    mml,
+    str(rng.choice(["fcfs", "lpm", "dfs"])),
+    bool(rng.random() < 0.5),
+  )
+
+
+# Random configurations per run (each compiles its own program): 1 in CI
+# (a fresh one every run), more with PREFIXJAX_RANDOM_CONFIGS=20.
+RANDOM_CONFIGS = int(os.environ.get("PREFIXJAX_RANDOM_CONFIGS", "1"))
+
+
+@pytest.mark.slow
+def test_random_configs_match_model(rng):
+  """Beyond the fixed CASES: random page sizes, slots, chunking, budgets,
+  pools and policies, 10-39 requests with outputs up to 1-79 tokens,
+  arriving together or spread, step-exact against the model."""
+  for _ in range(RANDOM_CONFIGS):
+    case = _random_case(rng)
+    print("case", case)
+    pages, K, S, chunk, maxp, mml, policy, together = case
+    cfg = _config(pages, K, S, chunk, maxp, mml, policy)
+    records = _records(
+      rng, int(rng.integers(10, 40)), output=(1, int(rng.integers(2, 80)))
+    )
+    n = len(records)
+    arrival = (
+      np.zeros(n, np.int64) if together else np.sort(rng.integers(0, 100, n))
+    )
+    _assert_same(cfg, records, arrival)
 
 
 FAIR_CASES = [
