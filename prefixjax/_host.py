@@ -11,7 +11,8 @@ call, so the engines' host sides use :func:`to_device` instead.
 :func:`shard_lanes` and :func:`replicate` place a batch of configurations
 (its leading axis) and what they share on several devices;
 :func:`as_done_on_threads` and :func:`thread_map` run compiled calls side
-by side on a CPU's cores.
+by side on a CPU's cores. :func:`release_compiled_near_map_limit` keeps a
+long-lived process under the kernel's memory-map limit.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -106,3 +108,82 @@ def thread_map(fn, items) -> list:
   """``[fn(x) for x in items]``, in order, by :func:`as_done_on_threads`."""
   out = dict(as_done_on_threads(fn, items))
   return [out[i] for i in range(len(out))]
+
+
+# ------------------------------------------------- the memory-map limit
+MAPS_SHARE = 0.5
+"""The share of the kernel's per-process memory-map limit past which
+:func:`release_compiled_near_map_limit` drops the compiled programs."""
+
+_RELEASERS: list = []
+
+
+def keeps_compiled(release) -> None:
+  """Registers ``release()``, which drops compiled programs a module keeps
+  itself (outside JAX's caches), for
+  :func:`release_compiled_near_map_limit`."""
+  _RELEASERS.append(release)
+
+
+def memory_maps() -> int | None:
+  """How many memory mappings this process holds (Linux: the lines of
+  ``/proc/self/maps``), or None where that cannot be read."""
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      return f.read().count(b"\n")
+  except OSError:
+    return None
+
+
+@functools.cache
+def max_memory_maps() -> int | None:
+  """The kernel's limit on one process's memory mappings
+  (``vm.max_map_count``: 65,530 unless raised), or None where unknown."""
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      return int(f.read().split()[0])
+  except (OSError, ValueError, IndexError):
+    return None
+
+
+def release_compiled_near_map_limit() -> bool:
+  """Drops this process's compiled programs (``jax.clear_caches()`` and
+  the modules' own, :func:`keeps_compiled`) when it holds more than
+  :data:`MAPS_SHARE` of the kernel's memory-map limit; returns whether it
+  did.
+
+  Linux caps one process's memory mappings (``vm.max_map_count``). XLA:CPU
+  maps every compiled program's code and data sections separately and
+  keeps them while JAX keeps the program: about 1,100 mappings for one of
+  the serving loops of vLLM and 1,300 for SGLang's (jax 0.10.2, measured
+  with :func:`memory_maps`), so a process that compiles about 50 of them
+  (a loop over pool sizes, a notebook's session) reaches the default limit
+  of 65,530, and its next compile aborts the process inside LLVM (``LLVM
+  ERROR: Unable to allocate section memory``; no Python exception). The
+  public run functions (``serving.simulate``, ``simulate_batch``,
+  ``replay``, ``simulate_cluster``, ``run_sweep``) call this before their
+  work; a later call of a dropped program's shapes compiles it again (or
+  reads it from the persistent compilation cache).
+
+  Acts on the main thread only: another of this process's threads may be
+  running a program at that moment (the sweep's points; the sweep calls
+  this itself between its waves, with nothing running)."""
+  if threading.current_thread() is not threading.main_thread():
+    return False
+  limit = max_memory_maps()
+  if limit is None:
+    return False
+  held = memory_maps()
+  if held is None or held <= MAPS_SHARE * limit:
+    return False
+  release_compiled()
+  return True
+
+
+def release_compiled() -> None:
+  """Drops this process's compiled programs: ``jax.clear_caches()`` and
+  what the modules keep themselves (:func:`keeps_compiled`). Call it with
+  nothing running."""
+  jax.clear_caches()
+  for release in _RELEASERS:
+    release()

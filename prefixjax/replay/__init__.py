@@ -59,6 +59,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from prefixjax._host import release_compiled_near_map_limit
 from prefixjax.cache import policies
 from prefixjax.replay.frame import (
   Batching,
@@ -319,6 +320,7 @@ def replay(
   if policy is None:
     raise ValueError(f"{semantics} replay needs a policy: {REPLAY_POLICIES}")
   name, params, built = _policy_of(policy, policy_params, semantics)
+  release_compiled_near_map_limit()
   result = _replay(
     source,
     # A custom object (no name) is passed on as is.

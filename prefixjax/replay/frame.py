@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from prefixjax._host import to_device
+from prefixjax._host import keeps_compiled, to_device
 from prefixjax.cache import policies
 
 __all__ = [
@@ -284,6 +284,9 @@ def clear_compiled() -> None:
   compiles its programs again: to time a compile, or to watch JAX's
   compile log. The persistent compilation cache on disk is untouched."""
   _COMPILED.clear()
+
+
+keeps_compiled(clear_compiled)
 
 
 @functools.cache

@@ -43,6 +43,7 @@ import numpy as np
 
 from prefixjax import _struct as struct
 from prefixjax._checks import check_fits_in_memory, check_int
+from prefixjax._host import release_compiled_near_map_limit
 from prefixjax._masked import NONE, gather
 from prefixjax.cache import prefix_cache as pc
 from prefixjax.routing import routers as rt
@@ -633,6 +634,7 @@ def simulate_cluster(
   state, reqs, params, scheduler = build_inputs(
     records, config, arrivals, step_time_ms, rate, seed
   )
+  release_compiled_near_map_limit()
   r = len(records)
   a, ttl = (
     _view_shape(router, reqs, config, approx_capacity, step_time_ms)

@@ -25,7 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from prefixjax import configs
-from prefixjax._host import replicate, shard_lanes, thread_map, to_device
+from prefixjax._host import (
+  release_compiled_near_map_limit,
+  replicate,
+  shard_lanes,
+  thread_map,
+  to_device,
+)
 from prefixjax.cache import hashing
 from prefixjax.cache import prefix_cache as pc
 from prefixjax.serving import roofline
@@ -671,6 +677,7 @@ def simulate(
     progress=progress,
   )
   records = _check_records(trace)
+  release_compiled_near_map_limit()
   if isinstance(config, ServingConfig) and config.semantics == "sglang":
     return _simulate_sglang(
       records, config, arrivals, step_time_ms, rate, seed, max_steps, clock,
@@ -1377,6 +1384,7 @@ def _simulate_batch(
   )
   if vectorize is None:
     vectorize = jax.default_backend() != "cpu"
+  release_compiled_near_map_limit()
   if first.semantics == "sglang":
     return _sglang_batch(
       records, points, arrivals, max_steps, clock, model, hardware,

@@ -62,9 +62,11 @@ __all__ = [
 
 ROW_HEAD = ("index", "key", "mode", "workload", "workload_seed")
 
-# Groups run between two ``jax.clear_caches()``: JAX keeps every compiled
-# program in the process (on a CPU 30-150 MB each for the serving loops,
-# benchmarks/RESULTS.md, session 32), and a sweep's later points reuse
+# Groups run between two drops of the compiled programs
+# (``_host.release_compiled``): JAX keeps every compiled program in the
+# process (on a CPU 30-150 MB each for the serving loops, and about 1,100-
+# 1,300 of the kernel's 65,530 memory mappings a process may hold,
+# benchmarks/RESULTS.md, sessions 32-33), and a sweep's later points reuse
 # their group's program, so a sweep of many shapes runs its groups in
 # waves of this many and frees the programs between waves.
 GROUPS_IN_MEMORY = 16
@@ -642,7 +644,11 @@ def run_sweep(
   # piece is recorded as soon as it is done, in whatever order they finish
   # (rows are put in spec order at the end). Between waves nothing runs and
   # the compiled programs are dropped.
-  from prefixjax._host import as_done_on_threads
+  from prefixjax._host import (
+    as_done_on_threads,
+    release_compiled,
+    release_compiled_near_map_limit,
+  )
 
   waves = [
     todo[i : i + GROUPS_IN_MEMORY]
@@ -651,7 +657,9 @@ def run_sweep(
   try:
     for w, wave in enumerate(waves):
       if w:
-        jax.clear_caches()
+        release_compiled()
+      else:  # what the process compiled before this sweep
+        release_compiled_near_map_limit()
       pieces, alone = split(wave)
       for i, result in as_done_on_threads(run_piece, pieces):
         record(pieces[i], *result)
