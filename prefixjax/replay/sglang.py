@@ -50,17 +50,20 @@ wheel's ``sglang/srt/``):
    re-insert of the prompt), free the partial last page (``free_kv_row``),
    unlock.
 
-Not modelled: SGLang 0.5.23's default cache factory
-(``mem_cache/registry.py default_radix_cache_factory`` ->
-``create_unified_radix_cache``) builds a ``UnifiedRadixCache``
-(``mem_cache/unified_radix_cache.py``), not the plain ``RadixCache``
-modelled here, so a default SGLang 0.5.23 server runs other cache code
-than this replay follows (and, where that cache's tree supports fast
-matching, ``calc_priority`` matches every waiting request on every call
-instead of touching every 32nd). Nor are: the overlap scheduler (SGLang's
-default), batching and concurrent requests, chunked prefill, admission
-reservations (``max_new_tokens``), the hierarchical cache, speculative
-decoding and eviction policies other than LRU; and SGLang counts
+SGLang 0.5.23's default cache factory (``mem_cache/registry.py
+default_radix_cache_factory`` -> ``create_unified_radix_cache``) builds a
+``UnifiedRadixCache`` (``mem_cache/unified_radix_cache.py``, a Rust tree
+core by default), not the plain ``RadixCache`` modelled here. For a
+full-attention model (the FULL component alone) the two behave alike:
+driven side by side through the scheduler's own cache calls they made the
+same matches, evictions, allocator free lists and request rows on 322,500
+random operations (``tests/reference_models/sglang_unified_check.py``,
+by hand, session 33), and neither supports fast matching, so
+``calc_priority`` touches every 32nd waiting request with either. Not
+modelled: the overlap scheduler (SGLang's default), batching and
+concurrent requests, chunked prefill, admission reservations
+(``max_new_tokens``), the hierarchical cache, speculative decoding and
+eviction policies other than LRU; and SGLang counts
 ``calc_priority`` calls with a non-empty waiting queue, which depend on
 arrival timing, where this replay counts requests.
 
@@ -801,10 +804,10 @@ def replay_sglang(
   capacity, page_size=block_size, waiting_refresh_interval=...)`` with the
   same interval, request for request.
 
-  Not modelled: SGLang 0.5.23's default cache factory builds a
-  ``UnifiedRadixCache``, not the plain ``RadixCache`` this replays; nor
-  the overlap scheduler, batching, chunked prefill or admission
-  reservations.
+  SGLang 0.5.23's default ``UnifiedRadixCache`` behaves as the plain
+  ``RadixCache`` this replays for a full-attention model (see the module
+  docstring). Not modelled: the overlap scheduler, batching, chunked
+  prefill or admission reservations.
 
   Args:
     trace: a token-id trace (generated workloads, token-id JSONL; output
