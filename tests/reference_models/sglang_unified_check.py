@@ -124,6 +124,15 @@ from sglang.srt.mem_cache.unified_cache.tree_core_registry import (  # noqa: E40
 )
 
 KINDS = ("radix", "urc_py", "urc_rust")
+STATS = (
+  "ops",
+  "admitted",
+  "hit_tokens",
+  "evicted",
+  "retracted",
+  "refused",
+  "finished",
+)
 LONG = os.environ.get("URC_PROFILE", "") == "long"
 LPM = (
   os.environ.get("URC_LPM", "0") == "1"
@@ -415,15 +424,7 @@ def run_seed(seed, ps, n_ops, verbose=False):
   hist = []
   waiting = []  # retracted requests to re-admit
   nid = 0
-  stats = dict(
-    ops=0,
-    admitted=0,
-    hit_tokens=0,
-    evicted=0,
-    retracted=0,
-    refused=0,
-    finished=0,
-  )
+  stats = dict.fromkeys(STATS, 0)
   for step in range(n_ops):
     e0 = engines[0]
     r = rng.random()
@@ -554,15 +555,7 @@ def main():
   a, b = map(int, args.seeds.split(":"))
   total = dict(seeds=0, equal=0, diff=0, exc=0)
   for ps in args.page_sizes:
-    agg = dict(
-      ops=0,
-      admitted=0,
-      hit_tokens=0,
-      evicted=0,
-      retracted=0,
-      refused=0,
-      finished=0,
-    )
+    agg = dict.fromkeys(STATS, 0)
     nd = ne = 0
     printed = 0
     first_diff = {}
