@@ -161,9 +161,10 @@ def release_compiled_near_map_limit() -> bool:
   of 65,530, and its next compile aborts the process inside LLVM (``LLVM
   ERROR: Unable to allocate section memory``; no Python exception). The
   public run functions (``serving.simulate``, ``simulate_batch``,
-  ``replay``, ``simulate_cluster``, ``run_sweep``) call this before their
-  work; a later call of a dropped program's shapes compiles it again (or
-  reads it from the persistent compilation cache).
+  ``replay``, ``simulate_cluster``, ``run_sweep``, the model ``Engine``'s
+  ``start`` and ``generate``) call this before their work; a later call of
+  a dropped program's shapes compiles it again (or reads it from the
+  persistent compilation cache).
 
   Acts on the main thread only: another of this process's threads may be
   running a program at that moment (the sweep's points; the sweep calls

@@ -118,3 +118,29 @@ def test_only_the_main_thread_drops_programs_and_replays_own_go_too(
   monkeypatch.setattr(jax, "clear_caches", lambda: (cleared.append(1), real()))
   assert _host.release_compiled_near_map_limit()
   assert cleared == [1] and not frame._COMPILED
+
+
+def test_the_engine_drops_them_before_a_generation(rng, monkeypatch):
+  """``Engine.generate`` (through ``start``) checks the limit too, and
+  generates the same tokens after the drop (greedy, so a rerun with
+  nothing dropped must agree)."""
+  from prefixjax.configs import ModelConfig
+  from prefixjax.model import CacheConfig, Engine
+
+  cfg = CacheConfig(
+    block_size=16,
+    num_blocks=33,
+    max_num_seqs=2,
+    max_num_batched_tokens=64,
+    max_model_len=128,
+  )
+  eng = Engine(ModelConfig.tiny(), cfg)
+  prompts = [rng.integers(1, 200, int(rng.integers(5, 40))).tolist()]
+  want = eng.generate(prompts, 4)
+  cleared = []
+  real = jax.clear_caches
+  monkeypatch.setattr(jax, "clear_caches", lambda: (cleared.append(1), real()))
+  monkeypatch.setattr(_host, "max_memory_maps", _limit_between(1))
+  got = eng.generate(prompts, 4)
+  assert cleared == [1]
+  assert got.tokens == want.tokens

@@ -52,7 +52,7 @@ import numpy as np
 
 import pallas_kernels as pk
 from prefixjax._checks import check_int
-from prefixjax._host import to_device
+from prefixjax._host import release_compiled_near_map_limit, to_device
 from prefixjax.cache import hashing
 from prefixjax.configs import ModelConfig
 from prefixjax.model import forward as fwd
@@ -412,6 +412,7 @@ class Engine:
       eos_id = check_int("eos_id", eos_id, 0, v)
     if not isinstance(return_logits, bool):
       raise TypeError(f"return_logits must be a bool, got {return_logits!r}")
+    release_compiled_near_map_limit()
     self._calls += 1
     self._live = Generation(
       self, records, salt, seed, temperature, eos_id, return_logits
