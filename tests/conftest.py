@@ -82,7 +82,7 @@ def _release_compiled_programs():
   the 2-core CI machine (2026-11-30, jax 0.10.2) a compile late in the run
   crashed (segfault, then abort, twice at the same test) while every module
   passed in smaller runs. Releasing the programs between modules keeps the
-  process's JIT memory bounded. (Session 33 found the cause: XLA:CPU holds
+  process's JIT memory bounded. (The likely cause, session 33: XLA:CPU holds
   about a thousand memory mappings per compiled program, and Linux's
   ``vm.max_map_count`` limit of 65,530 is reached after about 50 serving
   programs; the run functions now also drop the programs themselves past
