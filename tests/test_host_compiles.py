@@ -27,6 +27,7 @@ import pytest
 
 import prefixjax
 import prefixjax as pj
+from prefixjax import _host
 from prefixjax import replay as rp
 from prefixjax.routing import simulate_cluster
 from prefixjax.serving import ServingConfig, simulate
@@ -40,8 +41,7 @@ def _compiled(caplog, fn) -> list[str]:
   # test in this worker likely; drop every in-process cache (JAX's and the
   # replay frame's compiled executables) so the call compiles (and logs)
   # all of its programs again.
-  jax.clear_caches()
-  rp.clear_compiled()
+  _host.release_compiled()
   caplog.clear()
   with caplog.at_level(logging.DEBUG), jax.log_compiles(True):
     fn()

@@ -371,29 +371,24 @@ def _check_on_trace(spec: SweepSpec, p: Point, trace) -> None:
   token per request, a hash-id trace (Mooncake) replays at its hash block
   size only, and the vllm and sglang replay engines need room for the
   largest request."""
+  where = (
+    f"{spec.path or '<spec>'}: {p.mode} point {p.index} (workload "
+    f"{p.workload.name}"
+  )
   if p.mode == "simulate" and p.workload.trace is not None:
     from prefixjax.serving.simulate import no_output_message
 
     if why := no_output_message(trace, p.workload.trace):
-      raise SweepError(
-        f"{spec.path or '<spec>'}: simulate point {p.index} (workload "
-        f"{p.workload.name}): {why}"
-      )
+      raise SweepError(f"{where}): {why}")
   if p.mode == "simulate" and p.get("semantics") == "sglang":
     from prefixjax.serving.simulate import prefill_only_message
 
     config = serving_config(dict(p.params))
     if why := prefill_only_message(trace.input_lengths, config):
-      raise SweepError(
-        f"{spec.path or '<spec>'}: simulate point {p.index} (workload "
-        f"{p.workload.name}, num_blocks={p.get('num_blocks')}): {why}"
-      )
+      raise SweepError(f"{where}, num_blocks={p.get('num_blocks')}): {why}")
   if p.mode != "replay":
     return
-  where = (
-    f"{spec.path or '<spec>'}: replay point {p.index} (workload "
-    f"{p.workload.name})"
-  )
+  where += ")"
   block_size = p.get("block_size")
   if trace.has_hash_ids and block_size != trace.hash_block_size:
     raise SweepError(
