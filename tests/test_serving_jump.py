@@ -112,7 +112,7 @@ def _assert_same(a, b, what, fields=None):
     )
 
 
-def _iterations(built):
+def _iterations(built, blocks):
   """``run(jump=True)``'s loop, one jitted iteration at a time on the
   host: ``(final state, iterations)``."""
   advance = jax.jit(
@@ -123,6 +123,7 @@ def _iterations(built):
       clock=built.timer,
       max_steps=built.rows,
       jump=True,
+      blocks=blocks,
     )
   )
   going = jax.jit(lambda st: engine._going(st, built.reqs, built.rows))
@@ -150,14 +151,19 @@ def test_low_load_jumps_and_equals_step_by_step():
   )  # fmt: skip
   ref = _run(built, jump=False)
   _assert_same(ref, _run(built, jump=True), "jump")
-  final, iterations = _iterations(built)
   steps = int(ref[0].num_steps)
-  assert int(final.num_steps) == steps
-  assert engine.SimStatus(int(final.error)) == engine.SimStatus.OK
+  counts = {}
+  for blocks in (False, True):
+    final, counts[blocks] = _iterations(built, blocks)
+    assert int(final.num_steps) == steps
+    assert engine.SimStatus(int(final.error)) == engine.SimStatus.OK
+    np.testing.assert_array_equal(final.finish_step, ref[0].finish_step)
+  print(f"{steps} steps in {counts} iterations")
   # With few requests running, a request fills or starts a block about
-  # every 15 of its decode steps: the jumps take most steps.
-  assert iterations < 0.6 * steps, (iterations, steps)
-  np.testing.assert_array_equal(final.finish_step, ref[0].finish_step)
+  # every 15 of its decode steps: quiet runs alone take half the steps
+  # or more, runs with the starts and fills inside most of them.
+  assert counts[False] < 0.6 * steps, (counts, steps)
+  assert counts[True] < 0.5 * counts[False], (counts, steps)
 
 
 @pytest.mark.slow
@@ -172,16 +178,32 @@ def test_random_engines_jump_exactly(rng):
     )
 
 
-def test_fair_and_tiny_blocks_take_no_jump():
-  """No window under a scheduler with per-step state (fair's counters) or
-  blocks of 1-2 tokens (every decode step fills or starts a block)."""
+def test_jump_windows():
+  """vLLM's lru cache: runs with block starts and fills inside, up to
+  JUMP_MAX steps; vmapped (no starts or fills inside) at most K - 2 steps,
+  none for blocks of 1-2 tokens (every decode step starts or fills one);
+  no window under a scheduler with a per-step state (fair's counters)."""
   fcfs = engine.sch.get_scheduler("fcfs")
   fair = engine.sch.get_scheduler("fair")
-  assert engine._jump_window(fair, 16, True) == 0
-  assert engine._jump_window(fcfs, 2, True) == 0
-  assert engine._jump_window(fcfs, 16, False) == 0
-  assert engine._jump_window(fcfs, 16, True) == 14
-  assert engine._jump_window(fcfs, 4096, True) == engine.JUMP_MAX
+
+  def cache(k):
+    config = ServingConfig(
+      num_gpu_blocks=65,
+      block_size=k,
+      max_num_seqs=2,
+      max_num_batched_tokens=64,
+      max_model_len=64,
+    )
+    records = [dict(input_tok_ids=[1, 2], output_toks=2)]
+    return _build(records, config, arrivals="zero").state.cache
+
+  assert engine._jump_window(fcfs, cache(16), True) == engine.JUMP_MAX
+  assert engine._jump_window(fcfs, cache(1), True) == engine.JUMP_MAX
+  assert engine._jump_window(fcfs, cache(16), True, blocks=False) == 14
+  assert engine._jump_window(fcfs, cache(64), True, blocks=False) == 32
+  assert engine._jump_window(fcfs, cache(2), True, blocks=False) == 0
+  assert engine._jump_window(fair, cache(16), True) == 0
+  assert engine._jump_window(fcfs, cache(16), False) == 0
 
 
 def test_batched_lanes_equal_step_by_step(rng):
