@@ -834,13 +834,16 @@ def run(
     progress: every :data:`PROGRESS_EVERY` executed steps, call the host
       function set with :func:`set_progress_sink` with ``(requests done,
       steps)`` (``jax.debug.callback``; a static flag, so one compile).
-    jump: take runs of quiet decode steps (every running request decodes,
-      none starts or fills a block or finishes, nothing waits or arrives)
-      up to :data:`JUMP_MAX` at a time in one loop iteration (static;
-      default True). Exact: the state and every step record equal the
-      step-by-step loop's (False), which tests compare; it skips loop
-      iterations, not steps. Not taken under a scheduler with a per-step
-      state (``fair``).
+    jump: take runs of decode steps (every running request decodes one
+      token and none finishes, nothing waits or arrives, the blocks they
+      start fit the free ones) up to :data:`JUMP_MAX` at a time in one
+      loop iteration, their block starts and fills made in step order
+      (:func:`_jump`; static, default True). Exact: the state and every
+      step record equal the step-by-step loop's (False), which tests
+      compare; it skips loop iterations, not steps. Not taken under a
+      scheduler with a per-step state (``fair``). A cache verb failing
+      inside a run (``CACHE_ERROR``, a bug) ends it, but the loop still
+      runs that iteration's step before it stops.
 
   Raises:
     ValueError: an unknown scheduler, or ``"priority"`` without ranks.
