@@ -291,10 +291,8 @@ def _decode_phase(st, reqs, params, threshold, scheduler):
   """
   s = st.running.shape[0]
   k = st.cache.block_size
-  running = jnp.arange(s) < st.num_running
-  rids = jnp.where(running, st.running, 0)
-  computed = gather(st.num_computed, rids, 0)
-  n = cap(gather(st.num_tokens, rids, 0) - computed, threshold)
+  running, rids, computed, tokens, _ = _decode_lanes(st, reqs)
+  n = cap(tokens - computed, threshold)
   n = jnp.minimum(n, params.max_model_len - computed - 1)
   starts = running & (computed % k == 0)
   enabled = (
@@ -747,12 +745,17 @@ def _reached(ms, frac, now) -> jax.Array:
   return (ms < now_ms) | ((ms == now_ms) & (frac <= now_frac))
 
 
-def _add_ms(st: EngineState, dt_ms) -> EngineState:
-  frac = st.time_frac + dt_ms
+def _plus_ms(ms, frac, dt_ms):
+  """The clock ``(ms, frac)`` ``dt_ms`` milliseconds later (float32
+  fraction, whole milliseconds carried into ``ms``)."""
+  frac = frac + dt_ms
   carry = jnp.floor(frac)
-  return st.replace(
-    time_ms=st.time_ms + carry.astype(jnp.int32), time_frac=frac - carry
-  )
+  return ms + carry.astype(jnp.int32), frac - carry
+
+
+def _add_ms(st: EngineState, dt_ms) -> EngineState:
+  ms, frac = _plus_ms(st.time_ms, st.time_frac, dt_ms)
+  return st.replace(time_ms=ms, time_frac=frac)
 
 
 def admit(
@@ -974,13 +977,13 @@ def _decode_lanes(st, reqs):
   )
 
 
-def _jump_limit(st, reqs, params, timed, max_steps, w, blocks):
+def _jump_limit(st, reqs, params, timed, max_steps, w, blocks, lanes_counts):
   """How many quiet decode steps :func:`_jump` may take from ``st``
   (``[]`` int32, 0 when the next step is not quiet): the counts' bound,
   and on the steps clock the next arrival's; a timed clock's arrivals and
   step times are checked inside :func:`_jump`."""
   k = st.cache.block_size
-  lanes, rids, computed, tokens, outputs = _decode_lanes(st, reqs)
+  lanes, rids, computed, tokens, outputs = lanes_counts
   decoding = (tokens - computed == 1) & gather(st.sampled_last, rids, False)
   r = computed % k
   # Steps before each running request's first event: it finishes after
@@ -1100,7 +1103,7 @@ def _jump_blocks(cache, reqs, lanes, rids, slots, computed, taken, w):
   return cache, taken, free, bad
 
 
-def _jump(st, reqs, params, clock, max_steps, w, limit, blocks):
+def _jump(st, reqs, params, clock, max_steps, w, blocks):
   """Quiet decode steps, up to ``w`` of them at once: ``(state, records
   [w], rows [w])`` (the rows of the steps not taken are ``max_steps``).
 
@@ -1124,7 +1127,11 @@ def _jump(st, reqs, params, clock, max_steps, w, limit, blocks):
   s = st.running.shape[0]
   k = st.cache.block_size
   timed = clock is not None
-  lanes, rids, computed, tokens, outputs = _decode_lanes(st, reqs)
+  lanes_counts = _decode_lanes(st, reqs)
+  lanes, rids, computed, tokens, outputs = lanes_counts
+  limit = _jump_limit(
+    st, reqs, params, timed, max_steps, w, blocks, lanes_counts
+  )
   more = _more(st, reqs)
   nxt = gather(reqs.arrival_order, st.num_arrived[None], NONE)
   new = lanes.astype(jnp.int32)
@@ -1143,14 +1150,13 @@ def _jump(st, reqs, params, clock, max_steps, w, limit, blocks):
       stop = due | ~(jnp.isfinite(dt) & (dt >= 0))
       t_ms, t_frac = t_ms.at[j].set(ms), t_frac.at[j].set(frac)
       dts = dts.at[j].set(dt)
-      after = frac + dt * 1e3  # _add_ms
-      carry = jnp.floor(after)
+      later_ms, later_frac = _plus_ms(ms, frac, dt * 1e3)
       go = ~stop
       return (
         j + go.astype(jnp.int32),
         stop,
-        jnp.where(go, ms + carry.astype(jnp.int32), ms),
-        jnp.where(go, after - carry, frac),
+        jnp.where(go, later_ms, ms),
+        jnp.where(go, later_frac, frac),
         t_ms,
         t_frac,
         dts,
@@ -1309,10 +1315,7 @@ def _advance(
   st = _arrive(st, reqs, scheduler, timed)
   w = _jump_window(scheduler, st.cache, jump, blocks)
   if w:
-    limit = _jump_limit(st, reqs, params, timed, max_steps, w, blocks)
-    st, jrec, jrows = _jump(
-      st, reqs, params, clock, max_steps, w, limit, blocks
-    )
+    st, jrec, jrows = _jump(st, reqs, params, clock, max_steps, w, blocks)
     st = admit(st, reqs, scheduler, timed)
   st, rec, row = _step_once(
     st, reqs, params, scheduler, clock, max_steps, False, n0
@@ -1411,10 +1414,7 @@ def _run(
       # step by step, 1.99 s with the bound computed every iteration).
       def once(c):
         st, trace, _ = c
-        limit = _jump_limit(st, reqs, params, timed, max_steps, w, True)
-        st, rec, rows = _jump(
-          st, reqs, params, clock, max_steps, w, limit, True
-        )
+        st, rec, rows = _jump(st, reqs, params, clock, max_steps, w, True)
         st = admit(st, reqs, scheduler, timed)
         return st, _write(trace, rec, rows, max_steps), jnp.bool_(False)
 
