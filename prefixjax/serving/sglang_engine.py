@@ -41,8 +41,10 @@ and lock count live at that page. A request's lock is a root path of
 the count, so the locked nodes are those starting on that path). The tree
 verbs (:mod:`prefixjax.serving.sglang_tree`) touch one request's path
 (``O(M)``), except that choosing the LRU leaf at an eviction scans every
-page (``O(V)``): on large traces with a full pool that scan is the cost of
-most decode steps. Branches are while loops of 0 or 1 trips (``lax.cond``
+page (``O(V)``; few trips, as leaves are whole request tails). Most of a
+step's cost on large traces is its ``O(R)`` passes over the request
+arrays (``benchmarks/RESULTS.md``, "SGLang's loop at 10,000 requests").
+Branches are while loops of 0 or 1 trips (``lax.cond``
 copied pool-sized arrays), and the step buffers are written once per step,
 outside them.
 
