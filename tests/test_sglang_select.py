@@ -84,3 +84,18 @@ def test_bisection_is_used_for_small_k(rng):
   np.testing.assert_array_equal(np.asarray(idx)[:n], np.sort(want))
   got, _ = _compiled(k, False)(mask, key)
   np.testing.assert_array_equal(np.asarray(got)[:n], want)
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_first_set_equals_nonzero(rng, case):
+  """``_first_set`` (blocks of 32) against ``jnp.nonzero(size=k)``: ``R``
+  below, at and off multiples of 32, masks empty to full, ``k`` below and
+  above the count."""
+  for _ in range(6):
+    r_len = int(rng.choice([1, 31, 32, 33, int(rng.integers(2, 700))]))
+    k = int(rng.integers(1, r_len + 1))
+    mask = rng.random(r_len) < rng.choice([0.0, 0.02, 0.3, 1.0])
+    got = jax.jit(lambda m, k=k: eng._first_set(m, k))(mask)
+    (want,) = np.nonzero(mask)
+    want = np.concatenate([want, np.zeros(k, np.int64)])[:k]
+    np.testing.assert_array_equal(np.asarray(got), want, f"{r_len=} {k=}")

@@ -274,13 +274,13 @@ def _smallest(mask, key, k: int, few: bool = False):
   the first ``n``). On XLA:CPU ``jax.lax.top_k`` sorts its whole input,
   ``O(R log R)`` (1.5 ms at ``R`` = 10,000 on a 2-core CPU), so it sorts
   only ``k`` requests: ``few``: ``mask`` holds at most ``k`` (the running
-  ones, a batch), gathered first (``jnp.nonzero``, ``O(R)``); else, for a
+  ones, a batch), gathered first (:func:`_first_set`, ``O(R)``); else, for a
   small ``k``, the ``k`` smallest found first by :func:`_k_smallest`."""
   r_len = mask.shape[0]
   k = min(k, r_len)
   n = jnp.minimum(jnp.sum(mask, dtype=jnp.int32), k)
   if few and k < r_len:
-    (idx,) = jnp.nonzero(mask, size=k, fill_value=0)
+    idx = _first_set(mask, k)
   elif 4 * k <= r_len:
     idx = _k_smallest(mask, key, k, n)
   else:
@@ -289,6 +289,28 @@ def _smallest(mask, key, k: int, few: bool = False):
   lanes = jnp.arange(k) < n
   _, pos = jax.lax.top_k(jnp.where(lanes, -key[idx], -_BIG), k)
   return i32(idx[pos]), n
+
+
+_WORD = 32  # requests a block of :func:`_first_set`
+
+
+def _first_set(mask, k: int):
+  """``jnp.nonzero(mask, size=k, fill_value=0)[0]``: the first ``k``
+  requests of ``mask`` in request order, then zeros. ``jnp.nonzero``
+  takes a ``cumsum`` over all ``R`` (0.1 ms at ``R`` = 10,000 on XLA:CPU,
+  several calls a step); here one sum per block of 32, a ``cumsum`` over
+  the ``R / 32`` block counts, and one within the ``k`` blocks that hold
+  the answers (0.02-0.04 ms)."""
+  r_len = mask.shape[0]
+  nb = -(-r_len // _WORD)
+  blocks = jnp.pad(mask, (0, nb * _WORD - r_len)).reshape(nb, _WORD)
+  cum = jnp.cumsum(jnp.sum(blocks, axis=1, dtype=jnp.int32))
+  j = jnp.arange(k, dtype=jnp.int32)
+  b = jnp.minimum(i32(jnp.searchsorted(cum, j, side="right")), nb - 1)
+  before = jnp.where(b > 0, cum[jnp.maximum(b - 1, 0)], 0)
+  within = jnp.cumsum(blocks[b], axis=1, dtype=jnp.int32)
+  pos = i32(jnp.argmax(within > (j - before)[:, None], axis=1))
+  return jnp.where(j < cum[-1], b * _WORD + pos, 0)
 
 
 def _k_smallest(mask, key, k: int, n):
@@ -314,7 +336,7 @@ def _k_smallest(mask, key, k: int, n):
   tie = mask & (key == th)
   more = n - jnp.sum(below, dtype=jnp.int32)
   take = below | (tie & (jnp.cumsum(tie, dtype=jnp.int32) <= more))
-  (idx,) = jnp.nonzero(take, size=k, fill_value=0)
+  idx = _first_set(take, k)
   return idx
 
 
@@ -556,7 +578,7 @@ def _prefill(s: State, c: Consts, cfg: Config, kn: Knobs):
       need = (
         fill - q.prefix[r] + jnp.minimum(c.max_new[r], CLIP_MAX_NEW_TOKENS)
       ).astype(jnp.float32) - rem_total
-      (idx,) = jnp.nonzero(q.running, size=S, fill_value=0)
+      idx = _first_set(q.running, S)
       lanes = jnp.arange(S) < nrun
       # least preferred first, ties: the latest entry first
       perm = jnp.lexsort((-q.entry[idx], jnp.where(lanes, c.pv[idx], _BIG)))
@@ -813,7 +835,7 @@ def _retraction_order(q: Reqs, c: Consts, kept, S: int) -> Reqs:
   and 3873). The kept requests trade their ``rseq`` (the batch order)
   among themselves, so they stay ahead of any later admission."""
   R = q.rseq.shape[0]
-  (idx,) = jnp.nonzero(kept, size=S, fill_value=0)
+  idx = _first_set(kept, S)
   lanes = jnp.arange(S) < jnp.sum(kept, dtype=jnp.int32)
   seq = q.rseq[idx]
   pos = jnp.lexsort((seq, c.prompt[idx], -q.n_out[idx], i32(~lanes)))
