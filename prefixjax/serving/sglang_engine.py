@@ -306,7 +306,10 @@ def _first_set(mask, k: int):
   blocks = jnp.pad(mask, (0, nb * _WORD - r_len)).reshape(nb, _WORD)
   cum = jnp.cumsum(jnp.sum(blocks, axis=1, dtype=jnp.int32))
   j = jnp.arange(k, dtype=jnp.int32)
-  b = jnp.minimum(i32(jnp.searchsorted(cum, j, side="right")), nb - 1)
+  # the block of the j-th: how many blocks end at or before it (one fused
+  # [k, R / 32] compare; jnp.searchsorted's default is a loop of thunks)
+  b = jnp.sum(cum[None, :] <= j[:, None], axis=1, dtype=jnp.int32)
+  b = jnp.minimum(b, nb - 1)
   before = jnp.where(b > 0, cum[jnp.maximum(b - 1, 0)], 0)
   within = jnp.cumsum(blocks[b], axis=1, dtype=jnp.int32)
   pos = i32(jnp.argmax(within > (j - before)[:, None], axis=1))
