@@ -95,7 +95,8 @@ def test_first_set_equals_nonzero(rng, case):
     r_len = int(rng.choice([1, 31, 32, 33, int(rng.integers(2, 700))]))
     k = int(rng.integers(1, r_len + 1))
     mask = rng.random(r_len) < rng.choice([0.0, 0.02, 0.3, 1.0])
-    got = jax.jit(lambda m, k=k: eng._first_set(m, k))(mask)
+    got, count = jax.jit(lambda m, k=k: eng._first_set(m, k))(mask)
     (want,) = np.nonzero(mask)
+    assert int(count) == len(want)
     want = np.concatenate([want, np.zeros(k, np.int64)])[:k]
     np.testing.assert_array_equal(np.asarray(got), want, f"{r_len=} {k=}")
