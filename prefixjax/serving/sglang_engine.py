@@ -48,6 +48,12 @@ Branches are while loops of 0 or 1 trips (``lax.cond``
 copied pool-sized arrays), and the step buffers are written once per step,
 outside them.
 
+Runs of quiet decode steps (the batch full or nothing waiting, nobody
+finishing, arriving or retracted) are taken up to :data:`JUMP_MAX` at a
+time by :func:`_jump`, with ``O(S)`` work a step instead of the loop's
+``O(R)`` passes (``Config.jump``; exact: ``tests/test_sglang_jump.py``
+compares every final array with the step-by-step loop's).
+
 ``new_token_ratio`` is float32 here (SGLang: float64): an admission can
 differ where the reserved total is within float32 rounding of the free
 space.
@@ -123,6 +129,7 @@ class Config(NamedTuple):
   refresh: bool  # SGLANG_ENABLE_WAITING_PREFIX_REFRESH
   steps: int  # step-buffer rows T
   preempt: bool = True  # priority: not --disable-priority-preemption
+  jump: bool = True  # take quiet decode runs at once (:func:`_jump`)
 
 
 class Knobs(NamedTuple):
@@ -478,23 +485,33 @@ def _record(cur, i, rid, tok, kind, ctx):
   )
 
 
+def _gate(s: State, cfg: Config):
+  """The head of ``_get_new_batch_prefill_raw``: ``(running, waiting,
+  batch_is_full after it, whether a prefill batch is attempted)``. Not
+  attempted while the batch is full or nothing waits (unless a request is
+  being chunked), nor when the running slots are gone (which sets
+  ``batch_is_full``); with priority preemption ``batch_is_full`` is reset
+  first and only an empty queue skips."""
+  preempt = cfg.policy == "priority" and cfg.preempt
+  nrun = jnp.sum(s.q.running, dtype=jnp.int32)
+  nwait = jnp.sum(s.q.waiting, dtype=jnp.int32)
+  no_chunk = s.chunked < 0
+  full = jnp.bool_(False) if preempt else s.full
+  skip = (full | (nwait == 0)) & no_chunk
+  slots_gone = (cfg.max_running - nrun <= 0) & no_chunk
+  if preempt:
+    slots_gone = jnp.bool_(False)
+  full = jnp.where(~skip & slots_gone, True, full)
+  return nrun, nwait, full, ~skip & ~slots_gone
+
+
 def _prefill(s: State, c: Consts, cfg: Config, kn: Knobs):
   """``_get_new_batch_prefill_raw`` + ``prepare_for_extend``: (state, n)."""
   K = cfg.page_size
   fair = cfg.policy == "fair"
   preempt = cfg.policy == "priority" and cfg.preempt
-  q = s.q
-  nrun = jnp.sum(q.running, dtype=jnp.int32)
-  nwait = jnp.sum(q.waiting, dtype=jnp.int32)
-  no_chunk = s.chunked < 0
-  if preempt:  # batch_is_full reset to try preemption; no slot shortcut
-    s = s._replace(full=jnp.bool_(False))
-  skip = (s.full | (nwait == 0)) & no_chunk
-  slots_gone = (cfg.max_running - nrun <= 0) & no_chunk
-  if preempt:
-    slots_gone = jnp.bool_(False)
-  s = s._replace(full=jnp.where(~skip & slots_gone, True, s.full))
-  go = ~skip & ~slots_gone
+  nrun, nwait, full, go = _gate(s, cfg)
+  s = s._replace(full=full)
 
   def attempt(s):
     s = _calc_priority(s, c, cfg)
@@ -967,6 +984,190 @@ def _decode(s: State, c: Consts, cfg: Config) -> State:
   )
 
 
+JUMP_MAX = 32
+"""Most quiet decode steps :func:`_jump` takes in one iteration of the loop."""
+
+
+def _jump(s: State, c: Consts, cfg: Config, clock, T: int, W: int, evict=True):
+  """Quiet decode steps, up to ``W`` of them at once, from a state after
+  the step's arrivals and merge: ``(state, records [W], rows [W], taken)``
+  (the rows of steps not taken are ``T``, nothing written).
+
+  A step is quiet when no prefill batch is attempted (:func:`_gate`: the
+  batch is full or nothing waits, no request is being chunked), requests
+  run, none of them finishes in it, it needs no retraction, no arrival is
+  due at its start (after the first) and its clock time is valid. Such
+  steps change only each running request's counts (``n_out``, ``kv``,
+  ``sched_steps``, a page at each page boundary), the free pages,
+  ``new_token_ratio``'s decay, the clock and the step's record (issue
+  14's hint: between events every decode step is the same). The per-step
+  work here is ``O(S)`` on the running lanes, where a step of the loop
+  makes ``O(R)`` passes over the requests.
+
+  ``prepare_for_decode`` evicts until a page per running request is free
+  (:func:`_decode`; ``fits`` first evicts for the boundary pages alone,
+  the same LRU leaves in the same order, so one eviction toward the
+  larger demand equals the two). A step whose boundary pages do not fit
+  after it is left to the loop, which retracts: its eviction has already
+  taken every evictable leaf, as the loop's would. The first step that is
+  not quiet is left to :func:`_advance`'s step.
+
+  ``evict`` (static): False stops a run at a step that would evict, so
+  the run carries two scalars of the tree instead of the tree
+  (:func:`run_batched`: a vmapped loop selects its whole carry for every
+  lane at every trip).
+  """
+  K = cfg.page_size
+  S = s.cur["sched_rid"].shape[0]
+  R = c.prompt.shape[0]
+  timed = clock is not None
+  q = s.q
+  nrun, nwait, full, go = _gate(s, cfg)
+  quiet = ~go & (nrun > 0) & (s.status == 0) & ~s.done
+  order, _ = _smallest(q.running, q.rseq, S, True)
+  lanes = jnp.arange(S) < nrun
+  rid = jnp.where(lanes, order, 0)
+  n_out, kv, row = q.n_out[rid], q.kv[rid], q.row[rid]
+  base = c.prompt[rid] + n_out - 1  # the committed tokens at the first step
+  # steps before the first finish (n_out reaches max_new after the step)
+  room = jnp.min(jnp.where(lanes, c.max_new[rid] - n_out - 1, W))
+  limit = jnp.minimum(jnp.minimum(room, W), T - 1 - s.row)
+  left = ~q.arrived & (c.arrival < _BIG)
+  if timed:
+    nxt = i32(jnp.argmin(jnp.where(left, c.arr_rank, _BIG)))
+    more = jnp.any(left)
+    ms_next, frac_next = c.arr_ms[nxt], c.arr_frac[nxt]
+  else:  # an arrival due at the start of step `step + j` (its first)
+    nxt = jnp.min(jnp.where(left, c.arrival, _BIG))
+    limit = jnp.minimum(limit, nxt - s.step)
+  limit = jnp.where(quiet, jnp.maximum(limit, 0), 0)
+  # the reserved but unused slots of the rows outside the running lanes
+  frag_all = jnp.sum(jnp.where(q.row > 0, q.row * K - q.kv, 0), dtype=jnp.int32)
+  frag_other = frag_all - jnp.sum(
+    jnp.where(lanes & (row > 0), row * K - kv, 0), dtype=jnp.int32
+  )
+  new = lanes.astype(jnp.int32)
+  js = jnp.arange(W, dtype=jnp.int32)
+  zw = jnp.zeros((W,), jnp.int32)
+
+  def cond(x):
+    return (x[0] < limit) & ~x[1]
+
+  def body(x):
+    j, _, tc, row, ratio, ms, frac, recs = x
+    free_rec, frag_rec, ms_rec, frac_rec, dts = recs
+    committed = base + j
+    if timed:
+      due = (
+        (j > 0)
+        & more
+        & ((ms_next < ms) | ((ms_next == ms) & (frac_next <= frac)))
+      )
+      dt = roofline.clock_seconds(clock, new, jnp.where(lanes, committed, 0))
+      later_ms, later_frac, bad = _tick(ms, frac, dt)
+      stop = due | bad
+    else:
+      dt, stop = jnp.float32(0), jnp.bool_(False)
+    page = lanes & (committed % K == 0)
+    newp = jnp.sum(page, dtype=jnp.int32)
+    if evict:
+      tc = _when(
+        ~stop & (tc.free < nrun), lambda t: evict_for(t, c, K, nrun * K), tc
+      )
+      free, evictable = tc.free, tc.evictable
+      ok = ~stop & (free >= newp)
+    else:  # (free, evictable); no eviction while a page per request is free
+      free, evictable = tc
+      ok = ~stop & (free >= nrun)
+    got = jnp.where(ok, newp, 0)
+    if evict:
+      tc = tc._replace(free=free - got, private=tc.private + got)
+    else:
+      tc = (free - got, evictable)
+    row = row + (page & ok).astype(jnp.int32)
+    frag = frag_other + jnp.sum(
+      jnp.where(lanes & (row > 0), row * K - (kv + j + 1), 0), dtype=jnp.int32
+    )
+    free_rec = free_rec.at[j].set(free - got + evictable)
+    frag_rec = frag_rec.at[j].set(frag)
+    ms_rec, frac_rec = ms_rec.at[j].set(ms), frac_rec.at[j].set(frac)
+    dts = dts.at[j].set(dt)
+    if timed:
+      ms = jnp.where(ok, later_ms, ms)
+      frac = jnp.where(ok, later_frac, frac)
+    ratio = jnp.where(
+      ok, jnp.maximum(ratio - RATIO_DECAY, MIN_RATIO), ratio
+    ).astype(jnp.float32)
+    return (
+      j + ok.astype(jnp.int32), ~ok, tc, row, ratio, ms, frac,
+      (free_rec, frag_rec, ms_rec, frac_rec, dts),
+    )  # fmt: skip
+
+  x = jax.lax.while_loop(
+    cond,
+    body,
+    (
+      i32(0), jnp.bool_(False), s.tree if evict else (s.tree.free,
+      s.tree.evictable), row, s.ratio, s.time_ms, s.time_frac, (zw, zw, zw,
+      jnp.zeros((W,), jnp.float32), jnp.zeros((W,), jnp.float32)),
+    ),
+  )  # fmt: skip
+  taken, _, t, row, ratio, ms, frac, recs = x
+  free_rec, frag_rec, ms_rec, frac_rec, dts = recs
+  if not evict:  # the pages taken left the free list for the rows
+    free = t[0]
+    t = s.tree._replace(free=free, private=s.tree.private + s.tree.free - free)
+  at = jnp.where(lanes, order, R)
+  q = q._replace(
+    n_out=q.n_out.at[at].add(taken, mode="drop"),
+    kv=q.kv.at[at].add(taken, mode="drop"),
+    sched_steps=q.sched_steps.at[at].add(taken, mode="drop"),
+    row=q.row.at[at].set(row, mode="drop"),
+  )
+  vtc = s.vtc
+  if cfg.policy == "fair":  # every sampled token (_fair_charge)
+    vtc = vtc.at[jnp.where(lanes, c.client[rid], R)].add(
+      FAIR_W_OUT * taken, mode="drop"
+    )
+  some = taken > 0
+  s = s._replace(
+    tree=t,
+    q=q,
+    vtc=vtc,
+    ratio=ratio,
+    full=jnp.where(some, full, s.full),
+    step=s.step + taken,
+    row=s.row + taken,
+    seq=s.seq + S * taken,  # each jumped step's merge, and the next one's
+    time_ms=ms,
+    time_frac=frac,
+  )
+  run_rid = jnp.where(lanes, order, -1)
+  none = jnp.full((W, S), -1, jnp.int32)
+  rec = dict(
+    step=s.step - taken + js,
+    sched_rid=jnp.broadcast_to(run_rid, (W, S)),
+    sched_n=jnp.broadcast_to(new, (W, S)),
+    sched_kind=jnp.zeros((W, S), jnp.int32),
+    preempted=none,
+    finished=none,
+    num_running=zw + nrun,
+    num_waiting=zw + nwait,
+    free_blocks=free_rec,
+    free_blocks_end=free_rec,
+    prefill_tokens=zw,
+    decode_tokens=zw + nrun,
+    pc_hits=zw,
+    pc_queries=zw,
+    frag_tokens=frag_rec,
+    time_ms=ms_rec,
+    time_frac=frac_rec,
+    dt_s=dts,
+  )
+  rows = jnp.where(js < taken, s.row - taken + js, T)
+  return s, rec, rows, taken
+
+
 def _sched_frag(cur, t: Tree, q: Reqs, K):
   """Free pages (plus evictable ones) and empty reserved slots, after
   scheduling."""
@@ -1098,7 +1299,9 @@ def _write(out: dict, rec: dict, at) -> dict:
   }
 
 
-def _advance(s: State, c: Consts, cfg: Config, kn: Knobs, clock, T: int):
+def _advance(
+  s: State, c: Consts, cfg: Config, kn: Knobs, clock, T: int, vmapped=False
+):
   """:func:`_step` on a state without its step buffers: ``(state, the
   step's record, the row to write it in or T)``."""
   timed = clock is not None
@@ -1106,6 +1309,20 @@ def _advance(s: State, c: Consts, cfg: Config, kn: Knobs, clock, T: int):
   s = _arrive(s, c, timed, fair)
   s = _merge(s, c, cfg)
   S = s.cur["sched_rid"].shape[0]
+  # Vmapped, only on the steps clock: the roofline's float32 sum over the
+  # lanes, fused differently in the jump and in the step, may round apart
+  # (as vllm_v1's vmapped jump found).
+  jump = cfg.jump and not (vmapped and timed)
+  if jump:
+    s, jrec, jrows, taken = _jump(
+      s, c, cfg, clock, T, JUMP_MAX, evict=not vmapped
+    )
+    # the next step's arrivals (its merge changes only seq, counted);
+    # vmapped, a 0-or-1-trip loop would select the whole state per lane
+    if vmapped:
+      s = _arrive(s, c, timed, fair)
+    else:
+      s = _when(taken > 0, lambda s: _arrive(s, c, timed, fair), s)
   s = s._replace(cur=_fresh_cur(S))
   n_out_before, chunked_before = s.q.n_out, s.chunked
   s, nb = _prefill(s, c, cfg, kn)
@@ -1165,6 +1382,9 @@ def _advance(s: State, c: Consts, cfg: Config, kn: Knobs, clock, T: int):
     status=s.status | jnp.where(over & ~s.done, Status.STEP_ROWS, 0),
     done=s.done | over,
   )
+  if jump:
+    rec = {k: jnp.concatenate([jrec[k], v[None]]) for k, v in rec.items()}
+    at = jnp.concatenate([jrows, at[None]])
   return s, rec, at
 
 
@@ -1215,17 +1435,26 @@ def _close(s: State, c: Consts, cfg: Config, clock, prefill: bool) -> State:
   }
   s = s._replace(cur=dict(cur, rec=rec), row=s.row + 1, step=s.step + 1)
   if clock is not None:
-    # A step time that is NaN, infinite or negative stops the run with a
-    # status; the clock does not move (a NaN cast to int32 is garbage).
-    bad = ~(jnp.isfinite(dt_s) & (dt_s >= 0))
-    frac = s.time_frac + jnp.where(bad, 0.0, dt_s * 1e3)
-    carry = jnp.floor(frac)
+    ms, frac, bad = _tick(s.time_ms, s.time_frac, dt_s)
     s = s._replace(
-      time_ms=s.time_ms + carry.astype(jnp.int32),
-      time_frac=frac - carry,
+      time_ms=ms,
+      time_frac=frac,
       status=s.status | jnp.where(bad, Status.BAD_STEP_TIME, 0),
     )
   return s
+
+
+def _tick(ms, frac, dt_s):
+  """The clock ``(ms, frac)`` after a step of ``dt_s`` seconds, and whether
+  the step time is bad: NaN, infinite or negative stops the run with a
+  status and the clock does not move (a NaN cast to int32 is garbage).
+  One expression for :func:`_close` and :func:`_jump`, so that their
+  float32 times agree bit for bit (the select keeps XLA from fusing the
+  multiply and add into one rounding in one program and not the other)."""
+  bad = ~(jnp.isfinite(dt_s) & (dt_s >= 0))
+  f = frac + jnp.where(bad, 0.0, dt_s * 1e3)
+  carry = jnp.floor(f)
+  return ms + carry.astype(jnp.int32), f - carry, bad
 
 
 RECORD_FIELDS = (
@@ -1304,7 +1533,7 @@ def run(
       every = vllm_v1.PROGRESS_EVERY
       done = jnp.sum(s.q.finish >= 0, dtype=jnp.int32)
       jax.lax.cond(
-        (s.row > row) & (s.row % every == 0),
+        s.row // every > row // every,
         lambda: jax.debug.callback(vllm_v1.report_progress, done, s.row),
         lambda: None,
       )
@@ -1343,7 +1572,7 @@ def run_batched(shared: Consts, per: dict, kn: Knobs, cfg: Config, clock):
   T = out["step"].shape[1]
 
   def advance(s, p, k):
-    return _advance(s, lane_consts(p), cfg, k, clock, T)
+    return _advance(s, lane_consts(p), cfg, k, clock, T, vmapped=True)
 
   def body(carry):
     s, out = carry
@@ -1354,7 +1583,7 @@ def run_batched(shared: Consts, per: dict, kn: Knobs, cfg: Config, clock):
       new,
       s,
     )
-    at = jnp.where(going, at, T)
+    at = jnp.where(going.reshape((-1,) + (1,) * (at.ndim - 1)), at, T)
     return s, jax.vmap(_write)(out, rec, at)
 
   s, out = jax.lax.while_loop(

@@ -1,0 +1,220 @@
+"""SGLang's loop taking quiet decode runs at once (``sglang_engine._jump``,
+``Config.jump``, the default) is exact: the final state, every step record
+and the tree equal the step-by-step loop's (``jump=False``), on random
+engines (page size, slots, tight or roomy pools so that runs evict and end
+in retractions, every policy), clocks and arrivals drawn fresh per run;
+and the jumps do happen (fewer loop iterations than steps)."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from prefixjax.serving import ServingConfig, sglang_sim
+from prefixjax.serving import sglang_engine as eng
+from prefixjax.workloads import default_workload
+
+simulate_module = importlib.import_module("prefixjax.serving.simulate")
+
+# Random engines per run (each compiles two programs): 2 in CI, more with
+# PREFIXJAX_RANDOM_CONFIGS=20.
+RANDOM_CONFIGS = int(os.environ.get("PREFIXJAX_RANDOM_CONFIGS", "2"))
+
+
+def _prepare(records, config, arrivals="zero", rate=None, step_time_ms=None,
+             clock="steps", seed=0):  # fmt: skip
+  """The engine's inputs as :func:`prefixjax.serving.simulate` builds them:
+  ``(consts, cfg, knobs, clock object or None)``."""
+  roof = clock == "roofline"
+  inputs, timer = simulate_module._sglang_inputs(
+    simulate_module._check_records(records),
+    config,
+    arrivals,
+    step_time_ms,
+    rate,
+    seed,
+    clock,
+    "llama3_8b" if roof else None,
+    "h100" if roof else None,
+  )
+  prep = sglang_sim._prepare(
+    config,
+    inputs["tokens"],
+    inputs["arr"],
+    inputs["client"],
+    inputs["priority"],
+    inputs["parent"],
+    inputs["sample"],
+    inputs.get("trie"),
+  )
+  return prep.consts, prep.cfg, prep.knobs, timer
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "clock"))
+def _run_counting(c, cfg, kn, clock=None):
+  """``eng.run``'s loop, counting its iterations."""
+
+  def body(x):
+    s, n = x
+    return eng._step(s, c, cfg, kn, clock), n + 1
+
+  return jax.lax.while_loop(
+    lambda x: eng._going(x[0]), body, (eng.init(c, cfg), np.int32(0))
+  )
+
+
+def _assert_same(a, b):
+  la, tree_a = jax.tree.flatten_with_path(jax.device_get(a))
+  lb, tree_b = jax.tree.flatten_with_path(jax.device_get(b))
+  assert tree_a == tree_b
+  for (path, x), (_, y) in zip(la, lb, strict=True):
+    np.testing.assert_array_equal(
+      np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path)
+    )
+
+
+def _both(consts, cfg, knobs, timer):
+  """``(step-by-step final state, jumping final state, iterations)``."""
+  ref = eng.run(consts, cfg._replace(jump=False), knobs, clock=timer)
+  got, n = _run_counting(consts, cfg._replace(jump=True), knobs, clock=timer)
+  _assert_same(ref, got)
+  assert int(ref.status) == 0, int(ref.status)
+  return ref, got, int(n)
+
+
+def _random_case(rng):
+  """A random engine (page 1-16, 1-12 running, chunked or not, the pool
+  tight (1-2x what one request needs) or roomy, any policy) and run (all
+  at step 0, or Poisson on either clock) over a small built-in workload."""
+  k = int(rng.choice([1, 2, 4, 8, 16]))
+  mml = int(rng.choice([256, 512]))
+  need = -(-mml // k) + 2
+  tight = rng.random() < 0.6
+  pages = need + int(rng.integers(1, need + 1 if tight else 4 * need))
+  seqs = int(rng.integers(1, 13))
+  chunk = int(rng.choice([0, 64, 256]))
+  config = ServingConfig(
+    num_gpu_blocks=pages + 1,
+    block_size=k,
+    max_num_seqs=seqs,
+    max_num_batched_tokens=max(chunk, k) if chunk else 2 * mml,
+    chunked_prefill=bool(chunk),
+    max_model_len=mml,
+    scheduler=str(rng.choice(["fcfs", "lpm", "dfs", "fair", "priority"])),
+    semantics="sglang",
+  )
+  records = default_workload(
+    num_requests=int(rng.integers(20, 50)), seed=int(rng.integers(0, 10**6))
+  )
+  if rng.random() < 0.3:
+    return records, config, dict(arrivals="zero")
+  clock = str(rng.choice(["steps", "roofline"]))
+  run = dict(
+    arrivals="poisson",
+    rate=float(rng.uniform(0.5, 40)),
+    clock=clock,
+    seed=int(rng.integers(0, 100)),
+  )
+  if clock == "steps":
+    run["step_time_ms"] = float(rng.uniform(2, 50))
+  return records, config, run
+
+
+def test_random_engines_jump_exactly(rng):
+  for _ in range(RANDOM_CONFIGS):
+    records, config, run = _random_case(rng)
+    print(config, run)
+    _both(*_prepare(records, config, **run))
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "fair", "priority"])
+def test_decode_runs_are_jumped_and_evict_as_step_by_step(rng, policy):
+  """Everything at step 0 into a pool that holds a few requests: long
+  decode runs with a full batch, evictions inside them, retractions after
+  them. The loop takes far fewer iterations than steps, and the evictions
+  made inside jumps are the step-by-step loop's. (``priority`` without
+  preemption: with it, SGLang tries a prefill batch every step while a
+  request waits, so only runs with an empty queue are quiet.)"""
+  records = default_workload(num_requests=40, seed=int(rng.integers(0, 10**6)))
+  config = ServingConfig(
+    num_gpu_blocks=int(rng.integers(140, 260)),
+    block_size=4,
+    max_num_seqs=int(rng.integers(4, 9)),
+    max_num_batched_tokens=256,
+    max_model_len=512,
+    scheduler=policy,
+    semantics="sglang",
+    **({"priority_preemption": False} if policy == "priority" else {}),
+  )
+  ref, got, n = _both(*_prepare(records, config))
+  steps = int(ref.row)
+  assert int(ref.tree.evicted) > 0
+  assert n < steps / 2, (n, steps)
+
+
+def test_a_run_stops_at_the_step_rows(rng):
+  """A step buffer too small for the run: the jumping loop stops with
+  ``STEP_ROWS`` after the same steps as the step-by-step one."""
+  records = default_workload(num_requests=12, seed=int(rng.integers(0, 10**6)))
+  config = ServingConfig(
+    num_gpu_blocks=400,
+    block_size=4,
+    max_num_seqs=4,
+    max_num_batched_tokens=256,
+    max_model_len=512,
+    semantics="sglang",
+  )
+  consts, cfg, knobs, _ = _prepare(records, config)
+  full = eng.run(consts, cfg._replace(jump=False), knobs)
+  rows = int(rng.integers(5, int(full.row) - 1))
+  cfg = cfg._replace(steps=rows)
+  ref = eng.run(consts, cfg._replace(jump=False), knobs)
+  got = eng.run(consts, cfg._replace(jump=True), knobs)
+  assert int(ref.status) == eng.Status.STEP_ROWS
+  _assert_same(ref, got)
+
+
+def test_vmapped_lanes_jump_exactly(rng):
+  """:func:`~prefixjax.serving.sglang_engine.run_batched` (its jumps stop
+  before a step that evicts; on a timed clock it does not jump) on three
+  configurations of other budgets and arrivals: each lane's final state
+  equals its step-by-step run's."""
+  records = default_workload(num_requests=30, seed=int(rng.integers(0, 10**6)))
+  policy = str(rng.choice(["fcfs", "lpm", "fair"]))
+  clock = str(rng.choice(["steps", "roofline"]))
+  preps = []
+  for i in range(3):
+    config = ServingConfig(
+      num_gpu_blocks=int(rng.integers(140, 400)) if i == 0 else preps[0][4],
+      block_size=4,
+      max_num_seqs=6,
+      max_num_batched_tokens=int(rng.integers(64, 512)),
+      max_model_len=512,
+      scheduler=policy,
+      semantics="sglang",
+    )
+    run = dict(arrivals="poisson", rate=float(rng.uniform(1, 40)), clock=clock)
+    if clock == "steps":
+      run["step_time_ms"] = 20.0
+    prep = _prepare(records, config, seed=i, **run)
+    preps.append((*prep, config.num_gpu_blocks))
+  steps = max(p[1].steps for p in preps)
+  cfg = preps[0][1]._replace(steps=steps, jump=True)
+  timer = preps[0][3]
+  lanes = {
+    f: np.stack([np.asarray(getattr(p[0], f)) for p in preps])
+    for f in sglang_sim._PER_CONFIG
+  }
+  knobs = eng.Knobs(
+    *(np.stack([getattr(p[2], f) for p in preps]) for f in eng.Knobs._fields)
+  )
+  final = sglang_sim._batched_run(cfg, timer)(preps[0][0], lanes, knobs)
+  for i, (consts, _, kn, _, _) in enumerate(preps):
+    ref = eng.run(consts, cfg._replace(jump=False), kn, clock=timer)
+    assert int(ref.status) == 0
+    _assert_same(ref, jax.tree.map(lambda x, i=i: x[i], final))
