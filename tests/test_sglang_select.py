@@ -32,9 +32,17 @@ def _want(mask, key, k):
 
 
 def _keys(rng, r_len):
-  """Keys of one of four kinds: distinct, many ties, negative, or spread
-  over the whole int32 range (the bisection's midpoint must not overflow)."""
-  kind = rng.integers(4)
+  """Keys of one of six kinds: distinct, many ties, negative, spread over
+  the whole int32 range (the bisection's midpoint must not overflow), a
+  queue's contiguous positions (the first probe ends the search), or
+  both ends of the int32 range (its distance must not overflow)."""
+  kind = rng.integers(6)
+  if kind == 4:
+    return (rng.integers(0, 1000) + rng.permutation(r_len)).astype(np.int32)
+  if kind == 5:
+    return rng.choice([_INT32.min + 1, _INT32.max - 1, 0], r_len).astype(
+      np.int32
+    )
   if kind == 0:
     return rng.permutation(4 * r_len)[:r_len].astype(np.int32)
   if kind == 1:

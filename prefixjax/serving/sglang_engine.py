@@ -331,24 +331,46 @@ def _k_smallest(mask, key, k: int, n):
   in request order, then zeros (``[k]``): a bisection on the key for the
   ``n``-th smallest, one count over ``R`` a round (``log2`` of the keys'
   range rounds), then ties at it in request order, as ``top_k`` takes
-  them."""
+  them. The first probe is ``min + n - 1``, and a probe with exactly
+  ``n`` keys at or below it ends the search (those ``n`` are the answer,
+  no tie to break): a queue's distinct, contiguous positions take one
+  round."""
+  n = jnp.asarray(n, jnp.int32)
   lo = jnp.min(jnp.where(mask, key, _BIG))
   hi = jnp.max(jnp.where(mask, key, -_BIG))
 
   def halve(s):
-    lo, hi, i = s
+    lo, hi, i, _ = s
     mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2)
-    enough = jnp.sum(mask & (key <= mid), dtype=jnp.int32) >= n
-    return jnp.where(enough, lo, mid + 1), jnp.where(enough, mid, hi), i + 1
+    # the first probe: lo + n - 1, at most hi (the distance as uint32:
+    # hi - lo overflows int32 over the whole range; n >= 1 when it runs)
+    dist = hi.astype(jnp.uint32) - lo.astype(jnp.uint32)
+    first = jnp.where((n - 1).astype(jnp.uint32) <= dist, lo + (n - 1), hi)
+    mid = jnp.where(i == 0, first, mid)
+    have = jnp.sum(mask & (key <= mid), dtype=jnp.int32)
+    exact = have == n
+    enough = have >= n
+    return (
+      jnp.where(exact, mid, jnp.where(enough, lo, mid + 1)),
+      jnp.where(enough, mid, hi),
+      i + 1,
+      exact,
+    )
 
-  # At most 32 rounds for int32 keys (the bound only guards termination).
-  _, th, _ = jax.lax.while_loop(
-    lambda s: (s[0] < s[1]) & (s[2] < 33), halve, (lo, hi, i32(0))
+  # At most 33 rounds for int32 keys (the bound only guards termination).
+  th, _, _, exact = jax.lax.while_loop(
+    lambda s: (s[0] < s[1]) & (s[2] < 34) & ~s[3],
+    halve,
+    (lo, hi, i32(0), jnp.bool_(False)),
   )
-  below = mask & (key < th)
-  tie = mask & (key == th)
-  more = n - jnp.sum(below, dtype=jnp.int32)
-  take = below | (tie & (jnp.cumsum(tie, dtype=jnp.int32) <= more))
+
+  def ties(th):
+    below = mask & (key < th)
+    tie = mask & (key == th)
+    more = n - jnp.sum(below, dtype=jnp.int32)
+    return below | (tie & (jnp.cumsum(tie, dtype=jnp.int32) <= more))
+
+  take = jax.lax.cond(exact, lambda: mask & (key <= th), lambda: ties(th))
   return _first_set(take, k)[0]
 
 
