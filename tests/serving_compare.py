@@ -56,3 +56,22 @@ def worst_service_gap(got, records, weight) -> int:
     if later[client == 0].any() and later[client == 1].any():
       worst = max(worst, abs(int(served[0] - served[1])))
   return worst
+
+
+def random_run(rng, all_at_once: float):
+  """Random run arguments for :func:`prefixjax.serving.simulate`: all at
+  step 0 with probability ``all_at_once``, else Poisson arrivals (0.5-40
+  requests/s, a random seed) on the steps clock (2-50 ms a step) or the
+  roofline clock."""
+  if rng.random() < all_at_once:
+    return dict(arrivals="zero")
+  clock = str(rng.choice(["steps", "roofline"]))
+  run = dict(
+    arrivals="poisson",
+    rate=float(rng.uniform(0.5, 40)),
+    clock=clock,
+    seed=int(rng.integers(0, 100)),
+  )
+  if clock == "steps":
+    run["step_time_ms"] = float(rng.uniform(2, 50))
+  return run

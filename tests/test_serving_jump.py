@@ -14,6 +14,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from serving_compare import random_run
 
 from prefixjax.serving import ServingConfig
 from prefixjax.serving import vllm_v1 as engine
@@ -66,18 +67,7 @@ def _random_case(rng):
   records = default_workload(
     num_requests=int(rng.integers(20, 50)), seed=int(rng.integers(0, 10**6))
   )
-  if rng.random() < 0.25:
-    return records, config, dict(arrivals="zero")
-  clock = str(rng.choice(["steps", "roofline"]))
-  run = dict(
-    arrivals="poisson",
-    rate=float(rng.uniform(0.5, 40)),
-    clock=clock,
-    seed=int(rng.integers(0, 100)),
-  )
-  if clock == "steps":
-    run["step_time_ms"] = float(rng.uniform(2, 50))
-  return records, config, run
+  return records, config, random_run(rng, all_at_once=0.25)
 
 
 def _run(built, jump):

@@ -14,6 +14,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from serving_compare import random_run
 
 from prefixjax.serving import ServingConfig, sglang_sim
 from prefixjax.serving import sglang_engine as eng
@@ -111,18 +112,7 @@ def _random_case(rng):
   records = default_workload(
     num_requests=int(rng.integers(20, 50)), seed=int(rng.integers(0, 10**6))
   )
-  if rng.random() < 0.3:
-    return records, config, dict(arrivals="zero")
-  clock = str(rng.choice(["steps", "roofline"]))
-  run = dict(
-    arrivals="poisson",
-    rate=float(rng.uniform(0.5, 40)),
-    clock=clock,
-    seed=int(rng.integers(0, 100)),
-  )
-  if clock == "steps":
-    run["step_time_ms"] = float(rng.uniform(2, 50))
-  return records, config, run
+  return records, config, random_run(rng, all_at_once=0.3)
 
 
 def test_random_engines_jump_exactly(rng):
