@@ -295,7 +295,9 @@ def insert(t: Tree, c: Consts, r, n, do=True):
   V = t.cached.shape[0]
   j = jnp.arange(p.shape[0])
   parent = jnp.where(h > 0, t.nstart[pv[jnp.maximum(h - 1, 0)]], 0)
-  parent, kids_parent = barrier(h, parent, t.kids[parent])
+  # h through the barrier too: the writes below then come after the nstart
+  # and kids reads (else XLA:CPU copies the V-sized nstart to keep them)
+  h, parent, kids_parent = barrier(h, h, parent, t.kids[parent])
   grow = do & (h < n)
   new = grow & (j >= h) & (j < n)
   first = pv[jnp.minimum(h, p.shape[0] - 1)]
