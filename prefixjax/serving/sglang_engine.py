@@ -249,11 +249,6 @@ def _retract_one(t, q, c, K, cur, v, left):
   return t, q, cur
 
 
-def _release(t, q, c, K, r):
-  t, q = _checkpoint(t, q, c, K, r, c.prompt[r] + q.n_out[r] - 1)
-  return _free_row(t, q, c, r)
-
-
 def _when(pred, fn, x):
   """``fn(x)`` if ``pred`` else ``x``, as a while loop of 0 or 1 trips.
 
@@ -817,47 +812,59 @@ def _prefill(s: State, c: Consts, cfg: Config, kn: Knobs):
   return _when(go, lambda y: attempt(y[0]), (s, i32(0)))
 
 
-def _finish_prefill(s: State, c: Consts, cfg: Config) -> State:
-  """``process_batch_result_prefill``: sample, then finish or publish."""
+def _publish(s: State, c: Consts, cfg: Config, mode) -> State:
+  """The step's one loop of checkpoints, after its batch ran (``mode``: 1
+  a prefill step, 2 a decode step, 0 idle: nothing). A prefill step is
+  ``process_batch_result_prefill``: each request of the batch but the
+  chunked one samples a token, then finishes (``cache_finished_req``) or
+  publishes its prompt (``cache_unfinished_req``), in batch order. A
+  decode step is ``process_batch_result_decode``'s finished requests, in
+  running order (their tokens are counted by :func:`_decode`). One loop
+  for both, so that the engine's program holds one copy of
+  :func:`_checkpoint` here (the largest verb; each copy made a fifth of a
+  program's operations, and XLA:CPU's compile time grows with them)."""
   K = cfg.page_size
+  q = s.q
+  pre = mode == 1
+  mask = jnp.where(
+    pre, q.in_batch, (mode == 2) & q.running & (q.finish == s.step)
+  )
+  key = jnp.where(pre, q.slot, q.rseq)
 
   def one(x, r):
     t, q, cur = x
-    skip = r == s.chunked
-    n_out = q.n_out[r] + 1
+    skip = pre & (r == s.chunked)
 
     def go(x):
       t, q, cur = x
+      n_out = q.n_out[r] + pre.astype(jnp.int32)
+      first = q.first_tok[r]
+      first = jnp.where(pre & (first < 0), s.step, first)
       q = q._replace(
-        n_out=_set(q.n_out, r, n_out),
-        first_tok=_set(
-          q.first_tok, r, jnp.where(q.first_tok[r] < 0, s.step, q.first_tok[r])
-        ),
+        n_out=_set(q.n_out, r, n_out), first_tok=_set(q.first_tok, r, first)
       )
-      done = n_out >= c.max_new[r]
+      done = ~pre | (n_out >= c.max_new[r])
+      # finish or publish: the checkpoint up to the last committed token,
+      # or to the prefilled end
+      end = jnp.where(done, c.prompt[r] + n_out - 1, q.extend_end[r])
+      t, q = _checkpoint(t, q, c, K, r, end)
 
       def fin(x):
         t, q, cur = x
         q = q._replace(finish=_set(q.finish, r, s.step))
-        t, q = _release(t, q, c, K, r)
+        t, q = _free_row(t, q, c, r)
         return t, q, _finished(cur, r)
 
       def pub(x):
         t, q, cur = x
-        t, q = _checkpoint(t, q, c, K, r, q.extend_end[r])
         return t, q._replace(prefix=_set(q.prefix, r, q.extend_end[r])), cur
 
       return _cond(done, fin, pub, (t, q, cur))
 
     return _when(~skip, go, (t, q, cur))
 
-  q = s.q
-  q = q._replace(
-    sched_steps=q.sched_steps + q.in_batch.astype(jnp.int32),
-    prefill_steps=q.prefill_steps + q.in_batch.astype(jnp.int32),
-  )
   S = s.cur["sched_rid"].shape[0]
-  t, q, cur = _in_order(q.in_batch, q.slot, one, (s.tree, q, s.cur), S, True)
+  t, q, cur = _in_order(mask, key, one, (s.tree, q, s.cur), S, True)
   return s._replace(tree=t, q=q, cur=cur)
 
 
@@ -993,14 +1000,8 @@ def _decode(s: State, c: Consts, cfg: Config) -> State:
   cur = _sched_frag(cur, t, q, K)
   n_out = q.n_out + run_i
   done = q.running & (n_out >= c.max_new)
+  # the finished ones are released by _publish, in running order
   q = q._replace(n_out=n_out, finish=jnp.where(done, s.step, q.finish))
-
-  def fin(x, r):
-    t, q, cur = x
-    t, q = _release(t, q, c, K, r)
-    return t, q, _finished(cur, r)
-
-  t, q, cur = _in_order(done, q.rseq, fin, (t, q, cur), S, True)
   return s._replace(
     tree=t, q=q, ratio=ratio, status=status, cur=cur, qnext=qnext, full=full
   )
@@ -1349,21 +1350,27 @@ def _advance(
   n_out_before, chunked_before = s.q.n_out, s.chunked
   s, nb = _prefill(s, c, cfg, kn)
 
-  def prefill_step(s):
+  def prefill_step(x):
+    s = x[0]
     cur = _sched_frag(
       dict(s.cur, free_sched=s.tree.free), s.tree, s.q, cfg.page_size
     )
-    s = _finish_prefill(s._replace(cur=cur), c, cfg)
-    return _close(s, c, cfg, clock, prefill=True)
+    batch = s.q.in_batch.astype(jnp.int32)
+    q = s.q._replace(
+      sched_steps=s.q.sched_steps + batch,
+      prefill_steps=s.q.prefill_steps + batch,
+    )
+    return s._replace(cur=cur, q=q), i32(1)
 
-  def other(s):
+  def other(x):
+    s = x[0]
     nrun = jnp.sum(s.q.running, dtype=jnp.int32)
 
-    def decode_step(s):
-      s = _decode(s, c, cfg)
-      return _close(s, c, cfg, clock, prefill=False)
+    def decode_step(x):
+      return _decode(x[0], c, cfg), i32(2)
 
-    def idle(s):
+    def idle(x):
+      s = x[0]
       q = s.q
       s = s._replace(cur=dict(s.cur, rec=_empty_rec(S)))
       stuck = jnp.any(q.waiting)
@@ -1383,18 +1390,23 @@ def _advance(
       else:
         nxt = jnp.min(jnp.where(left, c.arrival, _BIG))
         step = jnp.where(done, s.step, jnp.maximum(s.step, nxt))
-      return s._replace(
+      s = s._replace(
         ratio=jnp.float32(INIT_RATIO),
         status=s.status | jnp.where(stuck, Status.STUCK, 0),
         done=done,
         idle=s.idle + step - s.step,
         step=step,
       )
+      return s, i32(0)
 
-    return _cond(nrun > 0, decode_step, idle, s)
+    return _cond(nrun > 0, decode_step, idle, x)
 
   row = s.row
-  s = _cond(nb > 0, prefill_step, other, s)
+  # the batch (mode 1: prefill, 2: decode, 0: idle), then its checkpoints
+  # and releases in one loop, then the step's record
+  s, mode = _cond(nb > 0, prefill_step, other, (s, i32(0)))
+  s = _publish(s, c, cfg, mode)
+  s = _when(mode > 0, lambda s: _close(s, c, cfg, clock, mode == 1), s)
   if fair:
     s = _fair_charge(s, c, n_out_before, chunked_before, nb)
   rec = s.cur["rec"]
@@ -1418,8 +1430,9 @@ def _empty_rec(S: int) -> dict:
   return rec
 
 
-def _close(s: State, c: Consts, cfg: Config, clock, prefill: bool) -> State:
-  """Writes the step's record into row ``s.row`` and advances the clock."""
+def _close(s: State, c: Consts, cfg: Config, clock, prefill) -> State:
+  """Writes the step's record into row ``s.row`` and advances the clock
+  (``prefill``: a traced bool, a prefill step's tokens or a decode's)."""
   cur, q = s.cur, s.q
   lanes = cur["sched_rid"] >= 0
   new = jnp.where(lanes, cur["sched_n"], 0)
@@ -1443,8 +1456,8 @@ def _close(s: State, c: Consts, cfg: Config, clock, prefill: bool) -> State:
     free_blocks=cur["free_sched"],
     free_blocks_end=s.tree.free
     + evictable_tokens(s.tree, cfg.page_size) // cfg.page_size,
-    prefill_tokens=tokens if prefill else i32(0),
-    decode_tokens=i32(0) if prefill else tokens,
+    prefill_tokens=jnp.where(prefill, tokens, 0),
+    decode_tokens=jnp.where(prefill, 0, tokens),
     pc_hits=i32(0),
     pc_queries=i32(0),
     frag_tokens=cur["frag"],
