@@ -1406,7 +1406,23 @@ def _advance(
   # and releases in one loop, then the step's record
   s, mode = _cond(nb > 0, prefill_step, other, (s, i32(0)))
   s = _publish(s, c, cfg, mode)
-  s = _when(mode > 0, lambda s: _close(s, c, cfg, clock, mode == 1), s)
+  # the record of a prefill or decode step (an idle one keeps its empty
+  # record, row, step and clock); the few fields _close sets are selected,
+  # not the whole state (vmapped, a 0-or-1-trip loop selects all of it)
+  closed, ran = _close(s, c, cfg, clock, mode == 1), mode > 0
+  s = s._replace(
+    cur=dict(
+      s.cur,
+      rec={
+        k: jnp.where(ran, v, s.cur["rec"][k])
+        for k, v in closed.cur["rec"].items()
+      },
+    ),
+    **{
+      f: jnp.where(ran, getattr(closed, f), getattr(s, f))
+      for f in ("row", "step", "time_ms", "time_frac", "status")
+    },
+  )
   if fair:
     s = _fair_charge(s, c, n_out_before, chunked_before, nb)
   rec = s.cur["rec"]
