@@ -897,7 +897,8 @@ def _retraction_order(q: Reqs, c: Consts, kept, S: int) -> Reqs:
 
 def _decode(s: State, c: Consts, cfg: Config) -> State:
   """``update_running_batch`` (retraction), ``prepare_for_decode``, and
-  ``process_batch_result_decode``."""
+  ``process_batch_result_decode``'s token counts and finishes (the
+  finished requests are released by :func:`_publish`)."""
   K = cfg.page_size
   t, q = s.tree, s.q
   committed = c.prompt + q.n_out - 1
@@ -1406,23 +1407,7 @@ def _advance(
   # and releases in one loop, then the step's record
   s, mode = _cond(nb > 0, prefill_step, other, (s, i32(0)))
   s = _publish(s, c, cfg, mode)
-  # the record of a prefill or decode step (an idle one keeps its empty
-  # record, row, step and clock); the few fields _close sets are selected,
-  # not the whole state (vmapped, a 0-or-1-trip loop selects all of it)
-  closed, ran = _close(s, c, cfg, clock, mode == 1), mode > 0
-  s = s._replace(
-    cur=dict(
-      s.cur,
-      rec={
-        k: jnp.where(ran, v, s.cur["rec"][k])
-        for k, v in closed.cur["rec"].items()
-      },
-    ),
-    **{
-      f: jnp.where(ran, getattr(closed, f), getattr(s, f))
-      for f in ("row", "step", "time_ms", "time_frac", "status")
-    },
-  )
+  s = _close(s, c, cfg, clock, mode)
   if fair:
     s = _fair_charge(s, c, n_out_before, chunked_before, nb)
   rec = s.cur["rec"]
@@ -1446,9 +1431,13 @@ def _empty_rec(S: int) -> dict:
   return rec
 
 
-def _close(s: State, c: Consts, cfg: Config, clock, prefill) -> State:
-  """Writes the step's record into row ``s.row`` and advances the clock
-  (``prefill``: a traced bool, a prefill step's tokens or a decode's)."""
+def _close(s: State, c: Consts, cfg: Config, clock, mode) -> State:
+  """Writes the step's record into row ``s.row`` and advances the clock,
+  after a prefill (``mode`` 1) or decode (2) step; an idle step (0) keeps
+  its empty record, row, step and clock. Traced ``mode``, and selects on
+  the few fields set here, not a 0-or-1-trip loop over the state
+  (vmapped, such a loop selects every array of the state per lane)."""
+  ran, prefill = mode > 0, mode == 1
   cur, q = s.cur, s.q
   lanes = cur["sched_rid"] >= 0
   new = jnp.where(lanes, cur["sched_n"], 0)
@@ -1482,15 +1471,17 @@ def _close(s: State, c: Consts, cfg: Config, clock, prefill) -> State:
     dt_s=dt_s,
   )
   rec = {
-    k: jnp.asarray(v).astype(_empty_rec(1)[k].dtype) for k, v in rec.items()
+    k: jnp.where(ran, jnp.asarray(v).astype(cur["rec"][k].dtype), cur["rec"][k])
+    for k, v in rec.items()
   }
-  s = s._replace(cur=dict(cur, rec=rec), row=s.row + 1, step=s.step + 1)
+  one = ran.astype(jnp.int32)
+  s = s._replace(cur=dict(cur, rec=rec), row=s.row + one, step=s.step + one)
   if clock is not None:
     ms, frac, bad = _tick(s.time_ms, s.time_frac, dt_s)
     s = s._replace(
-      time_ms=ms,
-      time_frac=frac,
-      status=s.status | jnp.where(bad, Status.BAD_STEP_TIME, 0),
+      time_ms=jnp.where(ran, ms, s.time_ms),
+      time_frac=jnp.where(ran, frac, s.time_frac),
+      status=s.status | jnp.where(ran & bad, Status.BAD_STEP_TIME, 0),
     )
   return s
 
