@@ -80,6 +80,7 @@ from prefixjax.serving.sglang_tree import (
   insert,
   lock_path,
   locked_path_evictable,
+  lru_groups,
   page_trie,
   prepare,
   walk,
@@ -130,6 +131,7 @@ class Config(NamedTuple):
   steps: int  # step-buffer rows T
   preempt: bool = True  # priority: not --disable-priority-preemption
   jump: bool = True  # take quiet decode runs at once (:func:`_jump`)
+  lru_index: bool = True  # keep ``Tree.gmin`` (``sglang_tree._evict``)
 
 
 class Knobs(NamedTuple):
@@ -1529,6 +1531,7 @@ def init(c: Consts, cfg: Config) -> State:
     free=i32(cfg.num_pages),
     private=i32(0),
     evicted=i32(0),
+    gmin=jnp.full((lru_groups(V)[1] if cfg.lru_index else 0,), _BIG, jnp.int32),
   )
   q = Reqs(
     n_out=z, prefix=z, extend_end=z, row=z, prot=z, lock_len=z, retr=z,
@@ -1602,6 +1605,8 @@ def run_batched(shared: Consts, per: dict, kn: Knobs, cfg: Config, clock):
   keeps its state (a select over the state without the buffers), and the
   buffers are written in place at the row of each lane that stepped.
   """
+
+  cfg = cfg._replace(lru_index=False)  # the scan (sglang_tree._evict)
 
   def lane_consts(p):
     return shared._replace(**p)
