@@ -40,10 +40,13 @@ and lock count live at that page. A request's lock is a root path of
 ``lock_len`` pages (SGLang locks a node and its ancestors; a split copies
 the count, so the locked nodes are those starting on that path). The tree
 verbs (:mod:`prefixjax.serving.sglang_tree`) touch one request's path
-(``O(M)``), except that choosing the LRU leaf at an eviction scans every
-page (``O(V)``; few trips, as leaves are whole request tails). Most of a
-step's cost on large traces is its ``O(R)`` passes over the request
-arrays (``benchmarks/RESULTS.md``, "SGLang's loop at 10,000 requests").
+(``O(M)``), and choosing the LRU leaf at an eviction reads the smallest of
+``G`` group bounds and one group of ``B`` pages (``O(sqrt V)``, where a
+scan of every page cost half the run at 10,000 requests). Most of a
+step's cost on large traces is now its ``O(R)`` passes over the request
+arrays and the fixed cost of the loop's many small operations
+(``benchmarks/RESULTS.md``, "SGLang's loop at 10,000 requests" and
+"SGLang's LRU victim without a scan").
 Branches are while loops of 0 or 1 trips (``lax.cond``
 copied pool-sized arrays), and the step buffers are written once per step,
 outside them.

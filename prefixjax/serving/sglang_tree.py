@@ -7,7 +7,8 @@ it on the host. :class:`Tree` is SGLang 0.5.23's paged ``RadixCache``
 (``srt/mem_cache/radix_cache.py``) over those pages plus the page pool, and
 the functions below are its verbs (match with splits, insert, lock, LRU
 eviction of whole leaf nodes), each touching one request's path (``O(M)``)
-except the eviction's choice of leaf (``O(V)``). The rules are checked
+except the eviction's choice of leaf (``O(sqrt V)`` from per-group lower
+bounds, ``O(V)`` in vmapped engines; :func:`_evict`). The rules are checked
 through the engine against ``tests/reference_models/sglang_scheduler.py``.
 """
 
