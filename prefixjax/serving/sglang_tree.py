@@ -34,8 +34,8 @@ __all__ = [
   "i32",
   "insert",
   "lock_path",
-  "lru_groups",
   "locked_path_evictable",
+  "lru_groups",
   "prepare",
   "walk",
 ]
