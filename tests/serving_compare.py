@@ -5,7 +5,51 @@ Imported by the test modules (pytest puts ``tests/`` on ``sys.path``).
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
+
+from prefixjax.serving import sglang_sim
+
+simulate_module = importlib.import_module("prefixjax.serving.simulate")
+
+
+def builder_args(records, config, arrivals, rate, step_time_ms, clock, seed):
+  """The positional arguments of ``simulate``'s private builders
+  (``_build``, ``_sglang_inputs``), as :func:`prefixjax.serving.simulate`
+  passes them; the roofline clock uses the Llama 3 8B and H100 presets."""
+  roof = clock == "roofline"
+  return (
+    simulate_module._check_records(records),
+    config,
+    arrivals,
+    step_time_ms,
+    rate,
+    seed,
+    clock,
+    "llama3_8b" if roof else None,
+    "h100" if roof else None,
+  )
+
+
+def sglang_engine_inputs(records, config, arrivals="zero", rate=None,
+                         step_time_ms=None, clock="steps", seed=0):  # fmt: skip
+  """The SGLang engine's inputs as :func:`prefixjax.serving.simulate`
+  builds them: ``(consts, cfg, knobs, clock object or None)``."""
+  inputs, timer = simulate_module._sglang_inputs(
+    *builder_args(records, config, arrivals, rate, step_time_ms, clock, seed)
+  )
+  prep = sglang_sim._prepare(
+    config,
+    inputs["tokens"],
+    inputs["arr"],
+    inputs["client"],
+    inputs["priority"],
+    inputs["parent"],
+    inputs["sample"],
+    inputs.get("trie"),
+  )
+  return prep.consts, prep.cfg, prep.knobs, timer
 
 
 def assert_same_run(got, steps, reqs) -> None:

@@ -14,7 +14,7 @@ import os
 import jax
 import numpy as np
 import pytest
-from serving_compare import random_run
+from serving_compare import builder_args, random_run
 
 from prefixjax.serving import ServingConfig
 from prefixjax.serving import vllm_v1 as engine
@@ -29,17 +29,8 @@ RANDOM_CONFIGS = int(os.environ.get("PREFIXJAX_RANDOM_CONFIGS", "2"))
 
 def _build(records, config, arrivals="poisson", rate=None, step_time_ms=None,
            clock="steps", seed=0):  # fmt: skip
-  roof = clock == "roofline"
   return simulate_module._build(
-    simulate_module._check_records(records),
-    config,
-    arrivals,
-    step_time_ms,
-    rate,
-    seed,
-    clock,
-    "llama3_8b" if roof else None,
-    "h100" if roof else None,
+    *builder_args(records, config, arrivals, rate, step_time_ms, clock, seed)
   )
 
 

@@ -8,52 +8,21 @@ and the jumps do happen (fewer loop iterations than steps)."""
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 
 import jax
 import numpy as np
 from serving_compare import random_run
+from serving_compare import sglang_engine_inputs as _prepare
 
 from prefixjax.serving import ServingConfig, sglang_sim
 from prefixjax.serving import sglang_engine as eng
 from prefixjax.workloads import default_workload
 
-simulate_module = importlib.import_module("prefixjax.serving.simulate")
-
 # Random engines per run (each compiles two programs): 1 in CI (a fresh one
 # every run; the step-exact tests against the Python model jump too), more
 # with PREFIXJAX_RANDOM_CONFIGS=20.
 RANDOM_CONFIGS = int(os.environ.get("PREFIXJAX_RANDOM_CONFIGS", "1"))
-
-
-def _prepare(records, config, arrivals="zero", rate=None, step_time_ms=None,
-             clock="steps", seed=0):  # fmt: skip
-  """The engine's inputs as :func:`prefixjax.serving.simulate` builds them:
-  ``(consts, cfg, knobs, clock object or None)``."""
-  roof = clock == "roofline"
-  inputs, timer = simulate_module._sglang_inputs(
-    simulate_module._check_records(records),
-    config,
-    arrivals,
-    step_time_ms,
-    rate,
-    seed,
-    clock,
-    "llama3_8b" if roof else None,
-    "h100" if roof else None,
-  )
-  prep = sglang_sim._prepare(
-    config,
-    inputs["tokens"],
-    inputs["arr"],
-    inputs["client"],
-    inputs["priority"],
-    inputs["parent"],
-    inputs["sample"],
-    inputs.get("trie"),
-  )
-  return prep.consts, prep.cfg, prep.knobs, timer
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "clock"))
@@ -213,6 +182,9 @@ def test_vmapped_lanes_jump_exactly(rng):
   )
   final = sglang_sim._batched_run(cfg, timer)(preps[0][0], lanes, knobs)
   for i, (consts, _, kn, _, _) in enumerate(preps):
-    ref = eng.run(consts, cfg._replace(jump=False), kn, clock=timer)
+    # run_batched finds LRU victims by a scan (Config.lru_index False)
+    ref = eng.run(
+      consts, cfg._replace(jump=False, lru_index=False), kn, clock=timer
+    )
     assert int(ref.status) == 0
     _assert_same(ref, jax.tree.map(lambda x, i=i: x[i], final))

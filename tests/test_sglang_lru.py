@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from test_sglang_jump import _prepare
+from serving_compare import sglang_engine_inputs as _prepare
 
 from prefixjax.serving import ServingConfig
 from prefixjax.serving import sglang_engine as eng
