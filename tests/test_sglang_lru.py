@@ -85,29 +85,43 @@ def _numpy_evict(t, c, K, need):
   return cached, kids, ev, victims
 
 
+def _evicting_run(rng):
+  """A random engine over a pool of 1-1.5x what one request needs, and a
+  random trace that makes it evict (drawn again, at most 8 times, in the
+  rare case that one does not): ``(seed, K, consts, cfg, knobs, final
+  state, its iterations)``."""
+  for _ in range(8):
+    seed = int(rng.integers(0, 10**6))
+    K = int(rng.choice([1, 2, 4, 8]))
+    one = -(-512 // K) + 2  # the pages one request may need
+    config = ServingConfig(
+      num_gpu_blocks=one + int(rng.integers(2, one // 2)),
+      block_size=K,
+      max_num_seqs=int(rng.integers(2, 9)),
+      max_num_batched_tokens=1024,
+      max_model_len=512,
+      semantics="sglang",
+      scheduler=str(rng.choice(["fcfs", "lpm"])),
+    )
+    print(config, seed)
+    n_req = int(rng.integers(20, 41))
+    c, cfg, kn, _ = _prepare(
+      default_workload(num_requests=n_req, seed=seed), config
+    )
+    s, iters, bad = _state_after(c, cfg, kn, 1 << 30)
+    assert int(bad) == 0, (seed, int(bad))
+    assert int(s.status) == 0, seed
+    if int(s.tree.evicted) > 0:
+      return seed, K, c, cfg, kn, s, int(iters)
+  raise AssertionError("8 random runs, none evicted")
+
+
 def test_bounds_hold_and_victims_equal_a_full_scan(rng):
-  seed = int(rng.integers(0, 10**6))
-  K = int(rng.choice([1, 2, 4, 8]))
-  mml = 512
-  one = -(-mml // K) + 2  # the pages one request may need
-  config = ServingConfig(
-    num_gpu_blocks=one + int(rng.integers(2, 2 * one)),
-    block_size=K,
-    max_num_seqs=int(rng.integers(2, 9)),
-    max_num_batched_tokens=2 * mml,
-    max_model_len=mml,
-    semantics="sglang",
-    scheduler=str(rng.choice(["fcfs", "lpm"])),
-  )
-  print(config, seed)
-  trace = default_workload(num_requests=int(rng.integers(20, 41)), seed=seed)
-  c, cfg, kn, _ = _prepare(trace, config)
+  seed, K, c, cfg, kn, _, iters = _evicting_run(rng)
   B, G = tr.lru_groups(c.parent.shape[0])
   checked = 0
-  s, iters, bad = _state_after(c, cfg, kn, 1 << 30)
-  assert int(bad) == 0, (seed, int(bad))
-  assert int(s.status) == 0 and int(s.tree.evicted) > 0, seed
-  for n in sorted(rng.integers(1, max(int(iters), 2), size=6)):
+  # five states inside the run, and its end (finished requests' leaves)
+  for n in [*sorted(rng.integers(1, max(iters, 2), size=5)), iters]:
     t = jax.device_get(_state_after(c, cfg, kn, int(n))[0].tree)
     keys = _keys(t)
     gmin = np.asarray(t.gmin)
@@ -168,14 +182,18 @@ def test_each_verb_keeps_the_bounds(rng):
   trace = default_workload(num_requests=int(rng.integers(20, 41)), seed=seed)
   c, cfg, kn, _ = _prepare(trace, config)
   plen = np.asarray((c.pages >= 0).sum(axis=1))
-  iters = int(_state_after(c, cfg, kn, 1 << 30)[1])
+  final, iters, _ = _state_after(c, cfg, kn, 1 << 30)
+  iters = int(iters)
+  done_at_end = np.flatnonzero(np.asarray(final.q.finish) >= 0)
   failed, tried = np.zeros(3, int), np.zeros(3, int)
-  for n_iter in sorted(rng.integers(1, iters, size=4)):
+  for n_iter in sorted(rng.integers(1, iters, size=6)):
     s = _state_after(c, cfg, kn, int(n_iter))[0]
     lock_len = np.asarray(s.q.lock_len)
     done = np.flatnonzero(np.asarray(s.q.finish) >= 0)  # paths in the tree
+    if not done.size:  # paths that are not in the tree yet: no splits
+      done = done_at_end
     held = np.flatnonzero(lock_len > 0)  # running: their paths locked
-    for _ in range(6):
+    for _ in range(10):
       r_done = int(rng.choice(done)) if done.size else 0
       n = int(rng.integers(1, max(plen[r_done], 1) + 1))  # often splits
       ok = np.asarray(_verbs_keep_bounds(s.tree, c, r_done, n, 0))
