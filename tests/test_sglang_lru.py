@@ -85,28 +85,34 @@ def _numpy_evict(t, c, K, need):
   return cached, kids, ev, victims
 
 
+def _random_engine(rng, pages_sizes, pool):
+  """A random SGLang engine (page size from ``pages_sizes``, pool
+  ``pool(pages one request may need)``) over a random built-in trace:
+  ``(seed, K, consts, cfg, knobs)``."""
+  seed = int(rng.integers(0, 10**6))
+  K = int(rng.choice(pages_sizes))
+  config = ServingConfig(
+    num_gpu_blocks=pool(-(-512 // K) + 2),
+    block_size=K,
+    max_num_seqs=int(rng.integers(2, 9)),
+    max_num_batched_tokens=1024,
+    max_model_len=512,
+    semantics="sglang",
+    scheduler=str(rng.choice(["fcfs", "lpm"])),
+  )
+  print(config, seed)
+  trace = default_workload(num_requests=int(rng.integers(20, 41)), seed=seed)
+  return (seed, K, *_prepare(trace, config)[:3])
+
+
 def _evicting_run(rng):
   """A random engine over a pool of 1-1.5x what one request needs, and a
   random trace that makes it evict (drawn again, at most 8 times, in the
   rare case that one does not): ``(seed, K, consts, cfg, knobs, final
   state, its iterations)``."""
   for _ in range(8):
-    seed = int(rng.integers(0, 10**6))
-    K = int(rng.choice([1, 2, 4, 8]))
-    one = -(-512 // K) + 2  # the pages one request may need
-    config = ServingConfig(
-      num_gpu_blocks=one + int(rng.integers(2, one // 2)),
-      block_size=K,
-      max_num_seqs=int(rng.integers(2, 9)),
-      max_num_batched_tokens=1024,
-      max_model_len=512,
-      semantics="sglang",
-      scheduler=str(rng.choice(["fcfs", "lpm"])),
-    )
-    print(config, seed)
-    n_req = int(rng.integers(20, 41))
-    c, cfg, kn, _ = _prepare(
-      default_workload(num_requests=n_req, seed=seed), config
+    seed, K, c, cfg, kn = _random_engine(
+      rng, [1, 2, 4, 8], lambda one: one + int(rng.integers(2, one // 2))
     )
     s, iters, bad = _state_after(c, cfg, kn, 1 << 30)
     assert int(bad) == 0, (seed, int(bad))
@@ -167,20 +173,7 @@ def test_each_verb_keeps_the_bounds(rng):
   without lowering its group's bound is caught (the engine's own runs
   rarely show it: a new leaf is locked by its request at once, and an
   unlock without a walk comes only with a retraction)."""
-  seed = int(rng.integers(0, 10**6))
-  K = int(rng.choice([1, 2, 4]))
-  config = ServingConfig(
-    num_gpu_blocks=-(-512 // K) * 2,
-    block_size=K,
-    max_num_seqs=int(rng.integers(2, 9)),
-    max_num_batched_tokens=1024,
-    max_model_len=512,
-    semantics="sglang",
-    scheduler=str(rng.choice(["fcfs", "lpm"])),
-  )
-  print(config, seed)
-  trace = default_workload(num_requests=int(rng.integers(20, 41)), seed=seed)
-  c, cfg, kn, _ = _prepare(trace, config)
+  seed, _, c, cfg, kn = _random_engine(rng, [1, 2, 4], lambda one: 2 * one - 4)
   plen = np.asarray((c.pages >= 0).sum(axis=1))
   final, iters, _ = _state_after(c, cfg, kn, 1 << 30)
   iters = int(iters)
