@@ -65,45 +65,148 @@ def page_trie(prompts, outputs, max_new, page_size: int) -> dict:
   """The trace's page trie on the host (what :func:`prepare` computes from
   the tokens and the page size alone, so runs over one trace at other
   arrivals can share it): ``pages`` ``[R, M]``, ``parent``, ``depth``,
-  ``tin``, ``tout`` ``[V]`` and ``g32`` ``[R]``, numpy arrays."""
+  ``tin``, ``tout`` ``[V]`` and ``g32`` ``[R]``, numpy arrays.
+
+  A page is a trie node of a whole page prefix (page 0 the root); nodes
+  are numbered by first appearance, request by request and page by page
+  (the eviction's ties go to the smaller number). Vectorized: every page
+  occurrence gets a hash of its prefix, checked exactly (a shared hash
+  must mean the same page tokens, depth and parent node), with an exact
+  sort level by level in the unlikely case it is not
+  (``tests/test_sglang_trie.py`` compares both with a plain dict walk)."""
   K = page_size
   R = len(prompts)
-  ids: dict = {}
-  parent, depth = [0], [0]
-  rows = []
-  groups: dict = {}
-  g32 = np.full((R,), -1, np.int32)
+  max_new = np.asarray(max_new, np.int64).reshape(-1)
+  plen = np.fromiter((len(p) for p in prompts), np.int64, count=R)
+  # the committed tokens' full pages: prompt + max_new - 1 tokens
+  n = np.maximum((plen + max_new - 1) // K, 0)
+  off = np.zeros((R + 1,), np.int64)
+  np.cumsum(n, out=off[1:])
+  P = int(off[-1])
+  seqs, heads, with_head = [], [], []
   for r in range(R):
     seq = np.concatenate(
       [np.asarray(prompts[r], np.int64), np.asarray(outputs[r], np.int64)]
-    )[: len(prompts[r]) + int(max_new[r])]
+    )[: int(plen[r] + max_new[r])]
+    seqs.append(seq[: int(n[r]) * K])
     if seq.shape[0] >= IN_BATCH:
-      g32[r] = groups.setdefault(seq[:IN_BATCH].tobytes(), len(groups))
-    n = (len(prompts[r]) + int(max_new[r]) - 1) // K
-    node, row = 0, []
-    for j in range(n):
-      key = (node, seq[j * K : (j + 1) * K].tobytes())
-      v = ids.get(key)
-      if v is None:
-        v = ids[key] = len(parent)
-        parent.append(node)
-        depth.append(j)
-      row.append(v)
-      node = v
-    rows.append(row)
-  M = max(1, max(len(x) for x in rows))
-  pages = np.full((R, M), -1, np.int32)
-  for r, row in enumerate(rows):
-    pages[r, : len(row)] = row
-  tin, tout = _euler(np.asarray(parent, np.int64))
+      heads.append(seq[:IN_BATCH])
+      with_head.append(r)
+  g32 = np.full((R,), -1, np.int32)
+  if heads:
+    g32[np.asarray(with_head)] = _row_ids(np.stack(heads))
+  rows = np.concatenate(seqs + [np.zeros((0,), np.int64)]).reshape(P, K)
+  rid = np.repeat(np.arange(R), n)
+  j = np.arange(P) - off[rid]  # each occurrence's page index
+  node = _hashed_nodes(rows, j, off[rid])
+  if node is None:
+    node = _sorted_nodes(rows, n, off)
+  first = _first_of(node)
+  V = first.shape[0] + 1
+  parent = np.zeros((V,), np.int64)
+  parent[1:] = np.where(j[first] > 0, node[np.maximum(first - 1, 0)] + 1, 0)
+  depth = np.zeros((V,), np.int64)
+  depth[1:] = j[first]
+  pages = np.full((R, max(1, int(n.max(initial=0)))), -1, np.int32)
+  pages[rid, j] = node + 1
+  tin, tout = _euler(parent, depth)
   return dict(
     pages=pages,
-    parent=np.asarray(parent, np.int32),
-    depth=np.asarray(depth, np.int32),
+    parent=parent.astype(np.int32),
+    depth=depth.astype(np.int32),
     tin=tin,
     tout=tout,
     g32=g32,
   )
+
+
+def _by_first(inv: np.ndarray, first: np.ndarray) -> np.ndarray:
+  """Ids ``inv`` (of classes whose first members are ``first``) renumbered
+  in the order of their first members."""
+  rank = np.empty_like(first)
+  rank[np.argsort(first, kind="stable")] = np.arange(first.shape[0])
+  return rank[inv.reshape(-1)]
+
+
+def _first_of(node: np.ndarray) -> np.ndarray:
+  """The first index of each id of ``node``, ids numbered by first
+  appearance (so each first one is above every id before it)."""
+  seen = np.maximum.accumulate(np.concatenate([[-1], node[:-1]]))
+  return np.flatnonzero(node > seen)
+
+
+def _row_ids(rows: np.ndarray) -> np.ndarray:
+  """Ids of the distinct rows of a 2-D integer array, numbered by first
+  appearance (an exact sort of the rows' bytes)."""
+  rows = np.ascontiguousarray(rows)
+  if rows.shape[0] == 0:
+    return np.zeros((0,), np.int64)
+  whole = np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))
+  _, first, inv = np.unique(
+    rows.view(whole)[:, 0], return_index=True, return_inverse=True
+  )
+  return _by_first(inv, first)
+
+
+def _hashed_nodes(rows, j, start):
+  """Each page occurrence's node (ids by first appearance), or ``None``
+  when two different prefixes share a hash. ``rows`` ``[P, K]`` the
+  occurrences' tokens, request by request; ``j`` their page index;
+  ``start`` the index of their request's first occurrence.
+
+  A page's hash mixes its ``K`` tokens; a prefix's is the sum over its
+  pages of page hash times ``B ** j`` (mod 2**64, a ``cumsum`` within each
+  request), with the depth mixed in. The check: every occurrence has its
+  class's first occurrence's tokens, depth and parent node, so, by
+  induction on the depth, its whole prefix."""
+  P, K = rows.shape
+  if P == 0:
+    return np.zeros((0,), np.int64)
+  mix = np.random.default_rng(_HASH_SEED).integers(
+    1, 2**63, size=(K,), dtype=np.uint64
+  ) | np.uint64(1)
+  powers = np.cumprod(
+    np.full((int(j.max()) + 1,), _HASH_BASE, np.uint64), dtype=np.uint64
+  )
+  with np.errstate(over="ignore"):
+    h = (rows.view(np.uint64) * mix).sum(axis=1, dtype=np.uint64)
+    h = (h ^ (h >> np.uint64(31))) * np.uint64(_HASH_BASE)
+    cs = np.cumsum(h * powers[j], dtype=np.uint64)
+    key = cs - np.where(start > 0, cs[start - 1], np.uint64(0))
+    key ^= j.astype(np.uint64) * np.uint64(_HASH_DEPTH)
+  _, first, inv = np.unique(key, return_index=True, return_inverse=True)
+  inv = inv.reshape(-1)
+  rep = first[inv]  # each occurrence's class's first occurrence
+  deep = j > 0
+  same = (
+    np.array_equal(j, j[rep])
+    and np.array_equal(inv[np.flatnonzero(deep) - 1], inv[rep[deep] - 1])
+    and np.array_equal(rows, rows[rep])
+  )
+  return _by_first(inv, first) if same else None
+
+
+_HASH_SEED = 20261207
+_HASH_BASE = 0x9E3779B97F4A7C15  # odd: invertible mod 2**64
+_HASH_DEPTH = 0xD6E8FEB86659FD93
+
+
+def _sorted_nodes(rows, n, off):
+  """:func:`_hashed_nodes` by exact sorts: the pages' tokens to ids, then
+  one level of pages at a time, ``(parent node, page tokens)`` to ids."""
+  R, P = n.shape[0], rows.shape[0]
+  content = _row_ids(rows)
+  C = int(content.max(initial=-1)) + 1
+  node = np.zeros((R,), np.int64)  # each request's node, dense per level
+  where = np.empty((P,), np.int64)
+  for level in range(int(n.max(initial=0))):
+    act = np.flatnonzero(n > level)
+    at = off[act] + level
+    _, inv = np.unique(node[act] * C + content[at], return_inverse=True)
+    node[act] = inv.reshape(-1)
+    where[at] = level * P + node[act]  # distinct across levels
+  _, first, inv = np.unique(where, return_index=True, return_inverse=True)
+  return _by_first(inv, first)
 
 
 def prepare(
@@ -175,21 +278,32 @@ def prepare(
   )
 
 
-def _euler(parent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """Pre-order numbers of a trie whose parents have smaller ids than their
-  children (page 0 the root): ``(tin, tout)``, a page's subtree is
-  ``tin[v] .. tout[v]``."""
-  v_len = parent.shape[0]
-  size = np.ones((v_len,), np.int64)
-  for v in range(v_len - 1, 0, -1):
-    size[parent[v]] += size[v]
-  tin = np.zeros((v_len,), np.int64)
-  nxt = np.ones((v_len,), np.int64)  # the next number under each page
-  for v in range(1, v_len):
-    p = parent[v]
-    tin[v] = nxt[p]
-    nxt[p] += size[v]
-    nxt[v] = tin[v] + 1
+def _euler(parent: np.ndarray, depth: np.ndarray):
+  """Pre-order numbers of a trie (page 0 the root, its children at depth
+  0; siblings in id order): ``(tin, tout)``, a page's subtree is
+  ``tin[v] .. tout[v]``. One pass per level, bottom up for the subtree
+  sizes, top down for the numbers."""
+  V = parent.shape[0]
+  level = depth + 1
+  level[0] = 0
+  by = np.argsort(level, kind="stable")  # ids increasing within a level
+  cuts = np.searchsorted(level[by], np.arange(int(level.max()) + 2))
+  size = np.ones((V,), np.int64)
+  for d in range(cuts.shape[0] - 2, 0, -1):
+    vs = by[cuts[d] : cuts[d + 1]]
+    np.add.at(size, parent[vs], size[vs])
+  tin = np.zeros((V,), np.int64)
+  for d in range(1, cuts.shape[0] - 1):
+    vs = by[cuts[d] : cuts[d + 1]]
+    vs = vs[np.lexsort((vs, parent[vs]))]  # by parent, then id
+    p = parent[vs]
+    total = np.cumsum(size[vs])
+    head = np.r_[True, p[1:] != p[:-1]]
+    # the sizes of the earlier siblings: the running total since the
+    # parent's first child
+    at = np.maximum.accumulate(np.where(head, np.arange(vs.shape[0]), 0))
+    before = total - size[vs] - np.where(at > 0, total[at - 1], 0)
+    tin[vs] = tin[p] + 1 + before
   return tin.astype(np.int32), (tin + size - 1).astype(np.int32)
 
 
