@@ -74,6 +74,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from prefixjax._masked import barrier
 from prefixjax.serving import roofline
 from prefixjax.serving.sglang_tree import (
   IN_BATCH,
@@ -210,23 +211,34 @@ def _set(a, r, v):
 
 def _checkpoint(t: Tree, q: Reqs, c: Consts, K, r, up_to):
   """``RadixCache.checkpoint(req, up_to)``."""
+  r, prot, lock_len = _read(r, q.prot, q.lock_len)
   n = up_to // K
   h, t = insert(t, c, r, n)
-  dup = h - q.prot[r]
+  dup = h - prot
   t = t._replace(private=t.private - dup - (n - h), free=t.free + dup)
   pp = c.prompt[r] // K
   _, t = insert(t, c, r, pp, (pp > 0) & (pp < n))
   _, t = walk(t, c, r, n)
-  t = lock_path(t, c, r, q.lock_len[r], -1)
+  t = lock_path(t, c, r, lock_len, -1)
   t = lock_path(t, c, r, n, 1)
   q = q._replace(lock_len=_set(q.lock_len, r, n), prot=_set(q.prot, r, n))
   return t, q
 
 
+def _read(r, *arrays):
+  """``(r, a[r] for each array)``, materialised before any write at ``r``
+  (:func:`prefixjax._masked.barrier`; the writes index with the returned
+  ``r``): else XLA:CPU fuses each read into consumers that its copy
+  insertion cannot order before the in-place write, and copies the whole
+  request array, twice, at every call."""
+  return barrier(r, r, *(a[r] for a in arrays))
+
+
 def _free_row(t: Tree, q: Reqs, c: Consts, r):
-  private = q.row[r] - q.prot[r]
+  r, row, prot, lock_len = _read(r, q.row, q.prot, q.lock_len)
+  private = row - prot
   t = t._replace(private=t.private - private, free=t.free + private)
-  t = lock_path(t, c, r, q.lock_len[r], -1)
+  t = lock_path(t, c, r, lock_len, -1)
   zero = i32(0)
   q = q._replace(
     lock_len=_set(q.lock_len, r, zero),
@@ -720,31 +732,32 @@ def _prefill(s: State, c: Consts, cfg: Config, kn: Knobs):
 
         def do_admit(x):
           t, q, b, out, chunked, full = x
-          t = lock_path(t, c, r, h, 1)
+          r_, hit, first_sched, resume_hit, retr = _read(
+            r, q.hit, q.first_sched, q.resume_hit, q.retr
+          )
+          t = lock_path(t, c, r_, h, 1)
           q = q._replace(
-            lock_len=_set(q.lock_len, r, h),
-            row=_set(q.row, r, h),
-            prot=_set(q.prot, r, h),
-            prefix=_set(q.prefix, r, plen),
-            extend_end=_set(q.extend_end, r, plen + extend),
-            hit=_set(q.hit, r, jnp.where(q.hit[r] < 0, plen, q.hit[r])),
-            in_batch=_set(q.in_batch, r, True),
-            waiting=_set(q.waiting, r, False),
-            slot=_set(q.slot, r, b["nb"]),
-            kv=_set(q.kv, r, plen + extend),
+            lock_len=_set(q.lock_len, r_, h),
+            row=_set(q.row, r_, h),
+            prot=_set(q.prot, r_, h),
+            prefix=_set(q.prefix, r_, plen),
+            extend_end=_set(q.extend_end, r_, plen + extend),
+            hit=_set(q.hit, r_, jnp.where(hit < 0, plen, hit)),
+            in_batch=_set(q.in_batch, r_, True),
+            waiting=_set(q.waiting, r_, False),
+            slot=_set(q.slot, r_, b["nb"]),
+            kv=_set(q.kv, r_, plen + extend),
             first_sched=_set(
               q.first_sched,
-              r,
-              jnp.where(q.first_sched[r] < 0, s.step, q.first_sched[r]),
+              r_,
+              jnp.where(first_sched < 0, s.step, first_sched),
             ),
             resume_hit=_set(
-              q.resume_hit,
-              r,
-              q.resume_hit[r] + jnp.where(q.hit[r] < 0, 0, plen),
+              q.resume_hit, r_, resume_hit + jnp.where(hit < 0, 0, plen)
             ),
           )
           out = _record(
-            out, b["nb"], r, extend, jnp.where(q.retr[r] > 0, 2, 1), plen
+            out, b["nb"], r_, extend, jnp.where(retr > 0, 2, 1), plen
           )
           b = reserve(b, extend, reserved_new)
           b = dict(b, nb=b["nb"] + 1, ext_sum=b["ext_sum"] + extend)
@@ -845,27 +858,27 @@ def _publish(s: State, c: Consts, cfg: Config, mode) -> State:
 
     def go(x):
       t, q, cur = x
-      n_out = q.n_out[r] + pre.astype(jnp.int32)
-      first = q.first_tok[r]
+      r_, n_out, first, ext = _read(r, q.n_out, q.first_tok, q.extend_end)
+      n_out = n_out + pre.astype(jnp.int32)
       first = jnp.where(pre & (first < 0), s.step, first)
       q = q._replace(
-        n_out=_set(q.n_out, r, n_out), first_tok=_set(q.first_tok, r, first)
+        n_out=_set(q.n_out, r_, n_out), first_tok=_set(q.first_tok, r_, first)
       )
-      done = ~pre | (n_out >= c.max_new[r])
+      done = ~pre | (n_out >= c.max_new[r_])
       # finish or publish: the checkpoint up to the last committed token,
       # or to the prefilled end
-      end = jnp.where(done, c.prompt[r] + n_out - 1, q.extend_end[r])
-      t, q = _checkpoint(t, q, c, K, r, end)
+      end = jnp.where(done, c.prompt[r_] + n_out - 1, ext)
+      t, q = _checkpoint(t, q, c, K, r_, end)
 
       def fin(x):
         t, q, cur = x
-        q = q._replace(finish=_set(q.finish, r, s.step))
-        t, q = _free_row(t, q, c, r)
-        return t, q, _finished(cur, r)
+        q = q._replace(finish=_set(q.finish, r_, s.step))
+        t, q = _free_row(t, q, c, r_)
+        return t, q, _finished(cur, r_)
 
       def pub(x):
         t, q, cur = x
-        return t, q._replace(prefix=_set(q.prefix, r, q.extend_end[r])), cur
+        return t, q._replace(prefix=_set(q.prefix, r_, ext)), cur
 
       return _cond(done, fin, pub, (t, q, cur))
 
