@@ -209,19 +209,27 @@ def _set(a, r, v):
   return a.at[r].set(v)
 
 
-def _checkpoint(t: Tree, q: Reqs, c: Consts, K, r, up_to):
-  """``RadixCache.checkpoint(req, up_to)``."""
+def _checkpoint(t: Tree, q: Reqs, c: Consts, K, r, up_to, keep=True):
+  """``RadixCache.checkpoint(req, up_to)``: the pages up to ``up_to``
+  inserted (the prompt's end a node boundary), walked, and locked in place
+  of the request's old lock. ``keep`` (traced) False: the request
+  finishes and :func:`_free_row` releases it next, which would unlock the
+  new path at once, so it is not locked (the same lock counts and
+  evictable pages; the skipped pair of passes only lowered LRU bounds)."""
   r, prot, lock_len = _read(r, q.prot, q.lock_len)
   n = up_to // K
   h, t = insert(t, c, r, n)
   dup = h - prot
   t = t._replace(private=t.private - dup - (n - h), free=t.free + dup)
   pp = c.prompt[r] // K
-  _, t = insert(t, c, r, pp, (pp > 0) & (pp < n))
+  t = _when((pp > 0) & (pp < n), lambda t: insert(t, c, r, pp)[1], t)
   _, t = walk(t, c, r, n)
   t = lock_path(t, c, r, lock_len, -1)
-  t = lock_path(t, c, r, n, 1)
-  q = q._replace(lock_len=_set(q.lock_len, r, n), prot=_set(q.prot, r, n))
+  t = _when(keep, lambda t: lock_path(t, c, r, n, 1), t)
+  q = q._replace(
+    lock_len=_set(q.lock_len, r, jnp.where(keep, n, 0)),
+    prot=_set(q.prot, r, n),
+  )
   return t, q
 
 
@@ -238,7 +246,7 @@ def _free_row(t: Tree, q: Reqs, c: Consts, r):
   r, row, prot, lock_len = _read(r, q.row, q.prot, q.lock_len)
   private = row - prot
   t = t._replace(private=t.private - private, free=t.free + private)
-  t = lock_path(t, c, r, lock_len, -1)
+  t = _when(lock_len > 0, lambda t: lock_path(t, c, r, lock_len, -1), t)
   zero = i32(0)
   q = q._replace(
     lock_len=_set(q.lock_len, r, zero),
@@ -868,7 +876,7 @@ def _publish(s: State, c: Consts, cfg: Config, mode) -> State:
       # finish or publish: the checkpoint up to the last committed token,
       # or to the prefilled end
       end = jnp.where(done, c.prompt[r_] + n_out - 1, ext)
-      t, q = _checkpoint(t, q, c, K, r_, end)
+      t, q = _checkpoint(t, q, c, K, r_, end, ~done)
 
       def fin(x):
         t, q, cur = x

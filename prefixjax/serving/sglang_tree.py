@@ -515,7 +515,9 @@ def _evict(t: Tree, c: Consts, K, need):
   j = jnp.arange(M)
 
   def indexed(t):
+    # the group and its bound read before the bound's write (barrier)
     g = i32(jnp.argmin(t.gmin))
+    g, bound_g = barrier(g, g, t.gmin[g])
     idx = g * B + b
     v = jnp.minimum(idx, V - 1)
     cand = (
@@ -525,7 +527,7 @@ def _evict(t: Tree, c: Consts, K, need):
     key = jnp.where(cand, t.ts[v], _BIG)
     k = i32(jnp.argmin(key))
     low = key[k]
-    exact = low == t.gmin[g]
+    exact = low == bound_g
     ok = exact & (low < _BIG)
     # the group's bound: its true minimum, without the victim if one goes
     bound = jnp.where(ok, jnp.min(jnp.where(b == k, _BIG, key)), low)
