@@ -283,12 +283,14 @@ def _when(pred, fn, x):
   ``lax.cond`` copies every array of its operand that a branch returns
   unchanged (on XLA:CPU: each pool- and request-sized array, every step); a
   while loop updates its carry in place."""
+  # the trip count counts down from the predicate, a computed value: a
+  # constant start would be copied into the loop's buffer at every call
   go = jnp.asarray(pred).astype(jnp.int32)
 
   def body(s):
-    return s[0] + 1, fn(s[1])
+    return s[0] - 1, fn(s[1])
 
-  return jax.lax.while_loop(lambda s: s[0] < go, body, (i32(0), x))[1]
+  return jax.lax.while_loop(lambda s: s[0] > 0, body, (go, x))[1]
 
 
 def _cond(pred, f, g, x):
