@@ -1169,15 +1169,14 @@ def _jump(
       (free_rec, frag_rec, ms_rec, frac_rec, dts),
     )  # fmt: skip
 
-  x = jax.lax.while_loop(
-    cond,
-    body,
-    (
-      i32(0), jnp.bool_(False), s.tree if evict else (s.tree.free,
-      s.tree.evictable), row, s.ratio, s.time_ms, s.time_frac, (zw, zw, zw,
-      jnp.zeros((W,), jnp.float32), jnp.zeros((W,), jnp.float32)),
-    ),
-  )  # fmt: skip
+  tc = s.tree if evict else (s.tree.free, s.tree.evictable)
+  zf = jnp.zeros((W,), jnp.float32)
+  recs = (zw, zw, zw, zf, zf)
+  x = (i32(0), jnp.bool_(False), tc, row, s.ratio, s.time_ms, s.time_frac, recs)
+  if not timed:  # the steps before the first eviction, at once
+    x = _quiet_prefix(x, base, lanes, kv, frag_other, limit, nrun, K, evict)
+  if timed or evict:  # the rest, a step a trip (timed: every step)
+    x = jax.lax.while_loop(cond, body, x)
   taken, _, t, row, ratio, ms, frac, recs = x
   free_rec, frag_rec, ms_rec, frac_rec, dts = recs
   if not evict:  # the pages taken left the free list for the rows
@@ -1232,6 +1231,45 @@ def _jump(
   )
   rows = jnp.where(js < taken, s.row - taken + js, T)
   return s, rec, rows, taken, taken > room
+
+
+def _quiet_prefix(x, base, lanes, kv, frag_other, limit, nrun, K, evict):
+  """:func:`_jump`'s loop carry after its leading steps that evict nothing
+  (a page per running request is free at each), on the steps clock, all
+  ``W`` at once: each step's boundary pages and free pages from running
+  sums, its record, ``new_token_ratio``'s decay as the loop rounds it (an
+  unrolled chain of float32 steps). The loop goes on from the first step
+  that evicts (``evict``; else it stops there)."""
+  j0, stop, tc, row, ratio, ms, frac, recs = x
+  free_rec, frag_rec, ms_rec, frac_rec, dts = recs
+  W = free_rec.shape[0]
+  js = jnp.arange(W, dtype=jnp.int32)
+  free0, evictable = (tc.free, tc.evictable) if evict else tc
+  page = lanes[None, :] & ((base[None, :] + js[:, None]) % K == 0)  # [W, S]
+  newp = jnp.sum(page, axis=1, dtype=jnp.int32)
+  got = jnp.cumsum(newp, dtype=jnp.int32)  # pages taken through step j
+  free = free0 - (got - newp)  # free at step j's start
+  ok = (js < limit) & (free >= nrun)
+  n = jnp.sum(jnp.cumprod(ok.astype(jnp.int32)), dtype=jnp.int32)
+  rows = row[None, :] + jnp.cumsum(page, axis=0, dtype=jnp.int32)
+  unused = rows * K - (kv[None, :] + js[:, None] + 1)
+  frag = frag_other + jnp.sum(
+    jnp.where(lanes[None, :] & (rows > 0), unused, 0), axis=1, dtype=jnp.int32
+  )
+  ratios = [ratio]
+  for _ in range(W):
+    ratios.append(jnp.maximum(ratios[-1] - RATIO_DECAY, MIN_RATIO))
+  ratio = jnp.stack(ratios).astype(jnp.float32)[n]
+  took = jnp.where(n > 0, got[jnp.maximum(n - 1, 0)], 0)
+  if evict:
+    tc = tc._replace(free=free0 - took, private=tc.private + took)
+  else:
+    tc = (free0 - took, evictable)
+  row = jnp.where(n > 0, rows[jnp.maximum(n - 1, 0)], row)
+  recs = (
+    free - newp + evictable, frag, ms_rec + ms, frac_rec + frac, dts,
+  )  # fmt: skip
+  return j0 + n, stop, tc, row, ratio, ms, frac, recs
 
 
 def _finishing(s: State, c: Consts) -> State:
