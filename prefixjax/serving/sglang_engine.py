@@ -201,6 +201,8 @@ class State(NamedTuple):
   idle: jax.Array
   vtc: jax.Array  # [R] int32 fair: each client's counter
   vtc_floor: jax.Array  # [] int32 fair: the counter that emptied the queue
+  by_rank: jax.Array  # [R] int32 requests by arrival rank, rejected last
+  ranks_in: jax.Array  # [] int32 how many of them arrived (a prefix)
   cur: dict  # this step's lanes [S] and scalars
   out: dict  # step buffers [T, ...]
 
@@ -1098,14 +1100,11 @@ def _jump(
   room = jnp.min(jnp.where(lanes, c.max_new[rid] - n_out - 1, W))
   # finish: the first step in which requests finish may be taken too
   limit = jnp.minimum(jnp.minimum(room + int(finish), W), T - 1 - s.row)
-  left = ~q.arrived & (c.arrival < _BIG)
+  nxt, more = _next_arrival(s, c)
   if timed:
-    nxt = i32(jnp.argmin(jnp.where(left, c.arr_rank, _BIG)))
-    more = jnp.any(left)
     ms_next, frac_next = c.arr_ms[nxt], c.arr_frac[nxt]
   else:  # an arrival due at the start of step `step + j` (its first)
-    nxt = jnp.min(jnp.where(left, c.arrival, _BIG))
-    limit = jnp.minimum(limit, nxt - s.step)
+    limit = jnp.minimum(limit, jnp.where(more, c.arrival[nxt], _BIG) - s.step)
   limit = jnp.where(quiet, jnp.maximum(limit, 0), 0)
   # the reserved but unused slots of the rows outside the running lanes
   frag_all = jnp.sum(jnp.where(q.row > 0, q.row * K - q.kv, 0), dtype=jnp.int32)
@@ -1230,7 +1229,9 @@ def _jump(
     dt_s=dts,
   )
   rows = jnp.where(js < taken, s.row - taken + js, T)
-  return s, rec, rows, taken, taken > room
+  # the requests finishing in the last step taken, if it was their last
+  ends = jnp.where(lanes & (n_out + taken >= c.max_new[rid]), order, R)
+  return s, rec, rows, taken, taken > room, ends
 
 
 def _quiet_prefix(x, base, lanes, kv, frag_other, limit, nrun, K, evict):
@@ -1272,30 +1273,29 @@ def _quiet_prefix(x, base, lanes, kv, frag_other, limit, nrun, K, evict):
   return j0 + n, stop, tc, row, ratio, ms, frac, recs
 
 
-def _finishing(s: State, c: Consts) -> State:
+def _finishing(s: State, ends) -> State:
   """Before :func:`_publish` releases the requests that finish in the
-  decode step :func:`_jump` took last: the state at that step (``step``
-  back by one, its finishes marked, an empty step list)."""
+  decode step :func:`_jump` took last (``ends`` [S], ``R`` for none): the
+  state at that step (``step`` back by one, its finishes marked, an empty
+  step list)."""
   step = s.step - 1
   q = s.q
-  done = q.running & (q.n_out >= c.max_new)
   S = s.cur["sched_rid"].shape[0]
   return s._replace(
-    q=q._replace(finish=jnp.where(done, step, q.finish)),
+    q=q._replace(finish=q.finish.at[ends].set(step, mode="drop")),
     step=step,
     cur=_fresh_cur(S),
   )
 
 
-def _finished_jump(s: State, cfg: Config, jrec: dict, j):
+def _finished_jump(s: State, cfg: Config, jrec: dict, j, ends):
   """After those releases: the step's record ``j`` gets its finished lanes,
   its running count and its free pages at the end (the rest was written by
   :func:`_jump`), then the next step's :func:`_merge` takes the finished
   ones out of the running set (and resets ``batch_is_full``)."""
   t, q, cur = s.tree, s.q, s.cur
-  gone = q.running & (q.finish >= 0)
   end = t.free + evictable_tokens(t, cfg.page_size) // cfg.page_size
-  nrun = jnp.sum(q.running & ~gone, dtype=jnp.int32)
+  nrun = jrec["num_running"][j] - cur["num_finished"]
   jrec = dict(
     jrec,
     finished=jrec["finished"].at[j].set(cur["finished"]),
@@ -1303,8 +1303,8 @@ def _finished_jump(s: State, cfg: Config, jrec: dict, j):
     free_blocks_end=jrec["free_blocks_end"].at[j].set(end),
   )
   s = s._replace(
-    q=q._replace(running=q.running & ~gone), full=jnp.bool_(False),
-    step=s.step + 1,
+    q=q._replace(running=q.running.at[ends].set(False, mode="drop")),
+    full=jnp.bool_(False), step=s.step + 1,
   )  # fmt: skip
   return s, jrec
 
@@ -1352,6 +1352,29 @@ def _fair_charge(s: State, c: Consts, n_out_before, chunked_before, nb):
 
 
 def _arrive(s: State, c: Consts, timed: bool, fair: bool = False) -> State:
+  """The requests due by the step's start (the clock's time) join the
+  queue. The due ones are the next of the requests in arrival-rank order
+  (rejected ones never arrive), so the first not in yet decides whether
+  any is due, in ``O(1)``; the ``O(R)`` update runs only then."""
+  nxt, more = _next_arrival(s, c)
+  if timed:
+    due = (c.arr_ms[nxt] < s.time_ms) | (
+      (c.arr_ms[nxt] == s.time_ms) & (c.arr_frac[nxt] <= s.time_frac)
+    )
+  else:
+    due = c.arrival[nxt] <= s.step
+  due = due & more
+  return _when(due, lambda s: _arrive_all(s, c, timed, fair), s)
+
+
+def _next_arrival(s: State, c: Consts):
+  """``(the next request to arrive, whether one is left)``, ``O(1)``."""
+  R = c.arrival.shape[0]
+  nxt = s.by_rank[jnp.minimum(s.ranks_in, R - 1)]
+  return nxt, (s.ranks_in < R) & (c.arrival[nxt] < _BIG)
+
+
+def _arrive_all(s: State, c: Consts, timed: bool, fair: bool) -> State:
   q = s.q
   if timed:
     due = (c.arr_ms < s.time_ms) | (
@@ -1376,7 +1399,11 @@ def _arrive(s: State, c: Consts, timed: bool, fair: bool = False) -> State:
     qpos=jnp.where(new, pos, q.qpos),
     entry=jnp.where(new, pos, q.entry),
   )
-  return s._replace(q=q, qnext=s.qnext + jnp.where(any_new, hi - lo + 1, 0))
+  return s._replace(
+    q=q,
+    qnext=s.qnext + jnp.where(any_new, hi - lo + 1, 0),
+    ranks_in=s.ranks_in + jnp.sum(new, dtype=jnp.int32),
+  )
 
 
 def _merge(s: State, c: Consts, cfg: Config) -> State:
@@ -1461,7 +1488,7 @@ def _advance(
   finish = jump and not vmapped
   fin = jnp.bool_(False)
   if jump:
-    s, jrec, jrows, taken, fin = _jump(
+    s, jrec, jrows, taken, fin, ends = _jump(
       s, c, cfg, clock, T, JUMP_MAX, evict=not vmapped, finish=finish
     )
     fin = fin & finish
@@ -1496,10 +1523,9 @@ def _advance(
       q = s.q
       s = s._replace(cur=dict(s.cur, rec=_empty_rec(S)))
       stuck = jnp.any(q.waiting)
-      left = ~q.arrived & (c.arrival < _BIG)
-      done = stuck | ~jnp.any(left)
+      nxt, more = _next_arrival(s, c)
+      done = stuck | ~more
       if timed:
-        nxt = i32(jnp.argmin(jnp.where(left, c.arr_rank, _BIG)))
         later = ~done & (
           (c.arr_ms[nxt] > s.time_ms)
           | ((c.arr_ms[nxt] == s.time_ms) & (c.arr_frac[nxt] > s.time_frac))
@@ -1510,8 +1536,7 @@ def _advance(
         )
         step = s.step
       else:
-        nxt = jnp.min(jnp.where(left, c.arrival, _BIG))
-        step = jnp.where(done, s.step, jnp.maximum(s.step, nxt))
+        step = jnp.where(done, s.step, jnp.maximum(s.step, c.arrival[nxt]))
       s = s._replace(
         ratio=jnp.float32(INIT_RATIO),
         status=s.status | jnp.where(stuck, Status.STUCK, 0),
@@ -1540,13 +1565,15 @@ def _advance(
     if finish:
       rel = (i == 0) & fin
       s, mode, nb, n_out_before, chunked_before = _when(~rel, batch, y)
-      s = _when(rel, lambda s: _finishing(s, c), s)
+      s = _when(rel, lambda s: _finishing(s, ends), s)
     else:
       s, mode, nb, n_out_before, chunked_before = batch(y)
     s = _publish(s, c, cfg, mode)
     if finish:
       s, jrec = _when(
-        rel, lambda y: _finished_jump(y[0], cfg, y[1], taken - 1), (s, jrec)
+        rel,
+        lambda y: _finished_jump(y[0], cfg, y[1], taken - 1, ends),
+        (s, jrec),
       )
     return s, i + 1, mode, nb, n_out_before, chunked_before, jrec
 
@@ -1699,6 +1726,8 @@ def init(c: Consts, cfg: Config) -> State:
     refresh_calls=i32(0), status=i32(0), done=jnp.bool_(False),
     time_ms=i32(0), time_frac=jnp.float32(0), cur=_fresh_cur(S), out=out,
     idle=i32(0), vtc=z, vtc_floor=i32(0),
+    by_rank=i32(jnp.argsort(jnp.where(c.arrival < _BIG, 0, R) + c.arr_rank)),
+    ranks_in=i32(0),
   )  # fmt: skip
 
 
