@@ -1375,6 +1375,7 @@ def _next_arrival(s: State, c: Consts):
 
 
 def _arrive_all(s: State, c: Consts, timed: bool, fair: bool) -> State:
+  """:func:`_arrive`'s update, ``O(R)``."""
   q = s.q
   if timed:
     due = (c.arr_ms < s.time_ms) | (
@@ -1474,7 +1475,9 @@ def _advance(
   step's record, the row to write it in or T)``."""
   timed = clock is not None
   fair = cfg.policy == "fair"
-  s = _arrive(s, c, timed, fair)
+  # vmapped, a 0-or-1-trip loop would select the whole state per lane
+  arrive = _arrive_all if vmapped else _arrive
+  s = arrive(s, c, timed, fair)
   s = _merge(s, c, cfg)
   S = s.cur["sched_rid"].shape[0]
   # Vmapped, only on the steps clock: the roofline's float32 sum over the
@@ -1495,9 +1498,9 @@ def _advance(
     # the next step's arrivals (its merge changes only seq, counted);
     # vmapped, a 0-or-1-trip loop would select the whole state per lane
     if vmapped:
-      s = _arrive(s, c, timed, fair)
+      s = _arrive_all(s, c, timed, fair)
     else:
-      s = _when(taken > 0, lambda s: _arrive(s, c, timed, fair), s)
+      s = _arrive(s, c, timed, fair)
 
   def prefill_step(x):
     s = x[0]
