@@ -1051,7 +1051,9 @@ def _jump(
 ):  # fmt: skip
   """Quiet decode steps, up to ``W`` of them at once, from a state after
   the step's arrivals and merge: ``(state, records [W], rows [W], taken,
-  finishing)`` (the rows of steps not taken are ``T``, nothing written).
+  finishing, ends)`` (the rows of steps not taken are ``T``, nothing
+  written; ``ends`` [S] the requests that finish in the last step taken,
+  ``R`` in the other lanes).
 
   A step is quiet when no prefill batch is attempted (:func:`_gate`: the
   batch is full or nothing waits, no request is being chunked), requests
