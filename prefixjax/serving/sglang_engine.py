@@ -1125,11 +1125,7 @@ def _jump(
     free_rec, frag_rec, ms_rec, frac_rec, dts = recs
     committed = base + j
     if timed:
-      due = (
-        (j > 0)
-        & more
-        & ((ms_next < ms) | ((ms_next == ms) & (frac_next <= frac)))
-      )
+      due = (j > 0) & more & _at_or_before(ms_next, frac_next, ms, frac)
       dt = roofline.clock_seconds(clock, new, jnp.where(lanes, committed, 0))
       later_ms, later_frac, bad = _tick(ms, frac, dt)
       stop = due | bad
@@ -1360,13 +1356,17 @@ def _arrive(s: State, c: Consts, timed: bool, fair: bool = False) -> State:
   any is due, in ``O(1)``; the ``O(R)`` update runs only then."""
   nxt, more = _next_arrival(s, c)
   if timed:
-    due = (c.arr_ms[nxt] < s.time_ms) | (
-      (c.arr_ms[nxt] == s.time_ms) & (c.arr_frac[nxt] <= s.time_frac)
-    )
+    due = _at_or_before(c.arr_ms[nxt], c.arr_frac[nxt], s.time_ms, s.time_frac)
   else:
     due = c.arrival[nxt] <= s.step
   due = due & more
   return _when(due, lambda s: _arrive_all(s, c, timed, fair), s)
+
+
+def _at_or_before(ms_a, frac_a, ms, frac):
+  """Whether the clock time ``(ms_a, frac_a)`` is at or before ``(ms,
+  frac)`` (milliseconds, then the fraction of one)."""
+  return (ms_a < ms) | ((ms_a == ms) & (frac_a <= frac))
 
 
 def _next_arrival(s: State, c: Consts):
@@ -1380,9 +1380,7 @@ def _arrive_all(s: State, c: Consts, timed: bool, fair: bool) -> State:
   """:func:`_arrive`'s update, ``O(R)``."""
   q = s.q
   if timed:
-    due = (c.arr_ms < s.time_ms) | (
-      (c.arr_ms == s.time_ms) & (c.arr_frac <= s.time_frac)
-    )
+    due = _at_or_before(c.arr_ms, c.arr_frac, s.time_ms, s.time_frac)
     due = due & (c.arrival < _BIG)
   else:
     due = c.arrival <= s.step
@@ -1531,9 +1529,8 @@ def _advance(
       nxt, more = _next_arrival(s, c)
       done = stuck | ~more
       if timed:
-        later = ~done & (
-          (c.arr_ms[nxt] > s.time_ms)
-          | ((c.arr_ms[nxt] == s.time_ms) & (c.arr_frac[nxt] > s.time_frac))
+        later = ~done & ~_at_or_before(
+          c.arr_ms[nxt], c.arr_frac[nxt], s.time_ms, s.time_frac
         )
         s = s._replace(
           time_ms=jnp.where(later, c.arr_ms[nxt], s.time_ms),
