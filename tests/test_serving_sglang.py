@@ -311,11 +311,20 @@ def test_priority_preempts_for_urgent_requests(rng):
 
 def test_retraction_pressure(rng):
   """Long outputs in a small pool: SGLang retracts (new_token_ratio's
-  reservation runs short), and the simulator retracts the same requests."""
+  reservation runs short), and the simulator retracts the same requests.
+
+  About one draw in 200-400 of this shape has no retraction in the model
+  (measured over 2,400 seeds, 2026-12-07; CI met one); the case draws until
+  the model retracts, then compares the simulator on that draw."""
   cfg = _config(48, 4, 16, 16, 64, 100, "fcfs")
-  records = _records(rng, 40, prompt=(4, 16), output=(40, 90), groups=8)
-  total = _assert_same(cfg, records, np.zeros(40, np.int64))
-  assert total > 0, "no retraction: the case lost its pressure"
+  arrival = np.zeros(40, np.int64)
+  for _ in range(8):
+    records = _records(rng, 40, prompt=(4, 16), output=(40, 90), groups=8)
+    _, reqs, _ = _model(cfg, records, arrival)
+    if sum(r["retractions"] for r in reqs) > 0:
+      break
+  total = _assert_same(cfg, records, arrival)
+  assert total > 0, "no retraction in 8 draws: the case lost its pressure"
 
 
 def test_a_retraction_keeps_the_batch_in_retraction_preference_order(rng):
