@@ -461,34 +461,99 @@ def _request_tokens(records: list[Mapping[str, Any]], lengths: _Lengths):
     arrays each, then ``[R]`` int32, ``[R]`` int32 and ``[R]`` bool.
 
   Raises:
-    ValueError: under SGLang's allocator bound a prompt leaves no room for
-      an output (SGLang would serve it as a prefill-only request, which is
-      not modelled).
+    ValueError: a record is malformed (:func:`_parse`), or under SGLang's
+      allocator bound a prompt leaves no room for an output (SGLang would
+      serve it as a prefill-only request, which is not modelled).
   """
+  parsed = _parse_all(records)
+  if parsed is None:  # some record is bad: the exact error, record by record
+    for rid, rec in enumerate(records):
+      _parse(rid, rec)
+      _outputs_of(rid, len(rec["input_tok_ids"]), rec, lengths)
+    raise AssertionError("a record failed the fast checks and none the exact")
+  prompts, max_tokens, out_ids = parsed
   r = len(records)
-  prompts, outputs = [], []
-  prompt_len = np.zeros((r,), np.int32)
-  max_tokens = np.zeros((r,), np.int32)
-  rejected = np.zeros((r,), bool)
-  for rid, rec in enumerate(records):
-    prompt, mt, out_ids = _parse(rid, rec)
-    p = len(prompt)
-    prompt_len[rid], max_tokens[rid] = p, mt
-    prompts.append(prompt)
-    if not 0 < p < lengths.prompt_limit:
-      rejected[rid] = True
-      outputs.append(np.zeros((0,), np.int64))
-      continue
-    n_out = min(mt, lengths.total - p)
-    if lengths.pool is not None:
-      n_out = min(n_out, int(_pool_room(np.int64(p), lengths)))
-      if n_out < 1:
-        raise ValueError(f"record {rid}: {_no_room_words(p, lengths)}")
-    given = min(len(out_ids), n_out)
-    pos = np.arange(given, n_out, dtype=np.int64)  # fabricated_token's rule
-    fab = (rid * 7919 + pos) % NUM_FABRICATED_VOCAB + 1
-    outputs.append(np.concatenate([out_ids[:given], fab]))
-  return prompts, outputs, prompt_len, max_tokens, rejected
+  p = np.fromiter((a.shape[0] for a in prompts), np.int64, count=r)
+  rejected = ~((p > 0) & (p < lengths.prompt_limit))
+  n_out = np.minimum(max_tokens, lengths.total - p)
+  if lengths.pool is not None:
+    n_out = np.minimum(n_out, _pool_room(p, lengths))
+    bad = ~rejected & (n_out < 1)
+    if bad.any():
+      rid = int(np.argmax(bad))
+      raise ValueError(f"record {rid}: {_no_room_words(int(p[rid]), lengths)}")
+  n_out = np.where(rejected, 0, n_out)
+  # fabricated_token's rule for every position, then the given ids over it
+  off = np.zeros((r + 1,), np.int64)
+  np.cumsum(n_out, out=off[1:])
+  rid_of = np.repeat(np.arange(r, dtype=np.int64), n_out)
+  pos = np.arange(int(off[-1]), dtype=np.int64) - off[rid_of]
+  flat = (rid_of * 7919 + pos) % NUM_FABRICATED_VOCAB + 1
+  given = np.minimum(
+    np.fromiter((a.shape[0] for a in out_ids), np.int64, count=r), n_out
+  )
+  for rid in np.flatnonzero(given):
+    a = off[rid]
+    flat[a : a + given[rid]] = out_ids[rid][: given[rid]]
+  outputs = [flat[a:b] for a, b in zip(off[:-1], off[1:], strict=True)]
+  return (
+    prompts,
+    outputs,
+    p.astype(np.int32),
+    max_tokens.astype(np.int32),
+    rejected,
+  )
+
+
+def _outputs_of(rid: int, p: int, rec, lengths: _Lengths) -> None:
+  """:func:`_request_tokens`' per-record rule that can fail (the exact
+  error's order: each record's parse, then its allocator bound)."""
+  if not 0 < p < lengths.prompt_limit or lengths.pool is None:
+    return
+  mt = _parse(rid, rec)[1]
+  n_out = min(mt, lengths.total - p, int(_pool_room(np.int64(p), lengths)))
+  if n_out < 1:
+    raise ValueError(f"record {rid}: {_no_room_words(p, lengths)}")
+
+
+def _parse_all(records):
+  """:func:`_parse` of every record with checks cheap enough for a large
+  trace (the token ranges in one pass over all of them): ``(prompts
+  (int64), max_tokens [R] int64, output ids)``, or ``None`` when anything
+  is off (the caller then finds the exact error record by record)."""
+  prompts, outs = [], []
+  max_tokens = np.zeros((len(records),), np.int64)
+  empty = np.zeros((0,), np.int64)
+  try:
+    for rid, rec in enumerate(records):
+      a = _cheap_tokens(rec["input_tok_ids"])
+      o = rec.get("output_tok_ids")
+      o = empty if o is None else _cheap_tokens(o)
+      if "output_toks" in rec:
+        mt = int(rec["output_toks"])
+      elif rec.get("output_tok_ids") is not None:
+        mt = len(o)
+      else:
+        return None
+      if not 1 <= mt < 2**31 or a is None or o is None:
+        return None
+      max_tokens[rid] = mt
+      prompts.append(a)
+      outs.append(o)
+  except (KeyError, TypeError, ValueError, OverflowError):
+    return None
+  every = np.concatenate([*prompts, *outs, empty])
+  if every.shape[0] and (every.min() < 0 or every.max() >= 2**31):
+    return None
+  return prompts, max_tokens, outs
+
+
+def _cheap_tokens(value) -> np.ndarray | None:
+  """:func:`_token_array`'s checks but the range (int64, or ``None``)."""
+  a = value if type(value) is np.ndarray else np.asarray(value)
+  if a.ndim != 1 or (a.shape[0] and a.dtype.kind not in "iu"):
+    return None
+  return a.astype(np.int64, copy=False)
 
 
 def _pool_room(prompt_len: np.ndarray, lengths: _Lengths) -> np.ndarray:
