@@ -1072,7 +1072,9 @@ def _jump(
   larger demand equals the two). A step whose boundary pages do not fit
   after it is left to the loop, which retracts: its eviction has already
   taken every evictable leaf, as the loop's would. The first step that is
-  not quiet is left to :func:`_advance`'s step.
+  not quiet is left to :func:`_advance`'s step. On the steps clock the
+  steps are taken all at once (:func:`_quiet_prefix`, their evictions in
+  one call); on a timed clock a step a trip.
 
   ``finish`` (static): the first step in which requests finish may be
   taken too when it is quiet otherwise (``finishing``: it was). Its
@@ -1170,10 +1172,10 @@ def _jump(
   zf = jnp.zeros((W,), jnp.float32)
   recs = (zw, zw, zw, zf, zf)
   x = (i32(0), jnp.bool_(False), tc, row, s.ratio, s.time_ms, s.time_frac, recs)
-  if not timed:  # the steps before the first eviction, at once
-    x = _quiet_prefix(x, base, lanes, kv, frag_other, limit, nrun, K, evict)
-  if timed or evict:  # the rest, a step a trip (timed: every step)
+  if timed:  # a step a trip
     x = jax.lax.while_loop(cond, body, x)
+  else:  # every step at once (evict: their evictions in one call)
+    x = _quiet_prefix(x, c, base, lanes, kv, frag_other, limit, nrun, K, evict)
   taken, _, t, row, ratio, ms, frac, recs = x
   free_rec, frag_rec, ms_rec, frac_rec, dts = recs
   if not evict:  # the pages taken left the free list for the rows
@@ -1232,13 +1234,27 @@ def _jump(
   return s, rec, rows, taken, taken > room, ends
 
 
-def _quiet_prefix(x, base, lanes, kv, frag_other, limit, nrun, K, evict):
-  """:func:`_jump`'s loop carry after its leading steps that evict nothing
-  (a page per running request is free at each), on the steps clock, all
-  ``W`` at once: each step's boundary pages and free pages from running
-  sums, its record, ``new_token_ratio``'s decay as the loop rounds it (an
-  unrolled chain of float32 steps). The loop goes on from the first step
-  that evicts (``evict``; else it stops there)."""
+def _quiet_prefix(x, c, base, lanes, kv, frag_other, limit, nrun, K, evict):
+  """:func:`_jump`'s loop on the steps clock, all ``W`` steps at once:
+  each step's boundary pages and free pages from running sums, its record,
+  ``new_token_ratio``'s decay as the loop rounds it (an unrolled chain of
+  float32 steps).
+
+  ``evict``: the loop's evictions in one call. A step evicts LRU leaves
+  until a page per running request is free (or none is left), then takes
+  its boundary pages if they are free. Decode steps touch no node's time,
+  so the victims come in one order, and the victims through a step are
+  the shortest run of that order that frees ``nrun`` pages plus the pages
+  taken before it: :func:`sglang_tree.evict_for` of that demand for the
+  last step the loop would run evicts them, trip for trip as the loop's
+  calls did. Eviction moves pages from evictable to free, so a step can
+  take its pages when the free plus evictable pages at its start cover
+  them, and its record (free plus evictable pages after it) does not
+  depend on the victims. Like the loop, the first step that cannot take
+  its pages still evicts (every leaf) and ends the run.
+
+  Not ``evict`` (vmapped engines): the steps up to the first that would
+  evict."""
   j0, stop, tc, row, ratio, ms, frac, recs = x
   free_rec, frag_rec, ms_rec, frac_rec, dts = recs
   W = free_rec.shape[0]
@@ -1248,8 +1264,15 @@ def _quiet_prefix(x, base, lanes, kv, frag_other, limit, nrun, K, evict):
   newp = jnp.sum(page, axis=1, dtype=jnp.int32)
   got = jnp.cumsum(newp, dtype=jnp.int32)  # pages taken through step j
   free = free0 - (got - newp)  # free at step j's start
-  ok = (js < limit) & (free >= nrun)
+  if evict:
+    ok = (js < limit) & (free0 + evictable >= got)
+  else:
+    ok = (js < limit) & (free >= nrun)
   n = jnp.sum(jnp.cumprod(ok.astype(jnp.int32)), dtype=jnp.int32)
+  if evict:  # the last step run: the first that failed, or the last taken
+    last = jnp.clip(jnp.minimum(n, limit - 1), 0, W - 1)
+    demand = jnp.where(limit > 0, nrun + got[last] - newp[last], 0)
+    tc = evict_for(tc, c, K, demand * K)
   rows = row[None, :] + jnp.cumsum(page, axis=0, dtype=jnp.int32)
   unused = rows * K - (kv[None, :] + js[:, None] + 1)
   frag = frag_other + jnp.sum(
@@ -1261,7 +1284,7 @@ def _quiet_prefix(x, base, lanes, kv, frag_other, limit, nrun, K, evict):
   ratio = jnp.stack(ratios).astype(jnp.float32)[n]
   took = jnp.where(n > 0, got[jnp.maximum(n - 1, 0)], 0)
   if evict:
-    tc = tc._replace(free=free0 - took, private=tc.private + took)
+    tc = tc._replace(free=tc.free - took, private=tc.private + took)
   else:
     tc = (free0 - took, evictable)
   row = jnp.where(n > 0, rows[jnp.maximum(n - 1, 0)], row)
