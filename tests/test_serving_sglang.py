@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import numpy as np
 import pytest
 from reference_models.sglang_scheduler import SglangScheduler
@@ -22,7 +23,7 @@ from serving_compare import backlogged_clients, worst_service_gap
 import prefixjax as pj
 from prefixjax import serving
 from prefixjax.replay.sglang import hits_and_free
-from prefixjax.serving import ServingConfig
+from prefixjax.serving import ServingConfig, sglang_tree
 
 
 def _records(rng, n, *, prompt=(4, 40), output=(1, 50), vocab=9, groups=4):
@@ -153,6 +154,23 @@ def test_step_exact_against_python_model(rng, case):
     np.zeros(n, np.int64) if together else np.sort(rng.integers(0, 80, n))
   )
   _assert_same(cfg, records, arrival)
+
+
+@pytest.mark.parametrize("few", [5, 40])
+def test_dfs_sorts_the_weighing_pages_apart(rng, monkeypatch, few):
+  """``dfs_order_key`` sorts only the pages that weigh when at most
+  ``DFS_PAGES`` do (all of them otherwise): with the bound set below the
+  trace's page count, runs take both ways (5: mostly all pages, 40: mostly
+  the few) and stay step-exact against the model."""
+  monkeypatch.setattr(sglang_tree, "DFS_PAGES", few)
+  jax.clear_caches()  # the bound is read when the program is traced
+  try:
+    cfg = _config(40, 2, 6, 16, 64, 70, "dfs")
+    records = _records(rng, 40)
+    arrival = np.sort(rng.integers(0, 40, len(records)))
+    _assert_same(cfg, records, arrival)
+  finally:
+    jax.clear_caches()
 
 
 def _random_case(rng):

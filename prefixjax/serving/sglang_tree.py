@@ -588,10 +588,17 @@ def dfs_order_key(t: Tree, c: Consts, waiting, node):
   start + w`` with ``start(v) = start(parent) + w`` of the siblings before
   ``v``; its own requests the last of them. Pages inside a node have one
   cached child and uncached pages weigh 0, so working on pages gives the
-  nodes' order. ``O(V log V)`` (one sort of the pages).
+  nodes' order.
+
+  Only the pages that weigh (a waiting request's match ends in their
+  subtree) matter: a weighing page's start counts its siblings that weigh
+  as much or more, and every ancestor of a weighing page weighs. When at most
+  :data:`DFS_PAGES` pages weigh (a run's usual case: waiting requests'
+  matches share a few prefixes), they are gathered first and sorted alone,
+  ``O(V)`` plus ``O(D log D)`` for ``D`` of them; else (and in vmapped
+  engines) all ``V`` pages are sorted, ``O(V log V)``.
   """
   v_len = c.parent.shape[0]
-  m = c.pages.shape[1]
   node = jnp.where(waiting, node, 0)
   own = (
     jnp.zeros((v_len,), jnp.int32)
@@ -600,16 +607,60 @@ def dfs_order_key(t: Tree, c: Consts, waiting, node):
   )
   csum = jnp.cumsum(jnp.zeros((v_len,), jnp.int32).at[c.tin].set(own))
   w = csum[c.tout] - jnp.where(c.tin > 0, csum[jnp.maximum(c.tin - 1, 0)], 0)
-  par = c.parent.at[0].set(-1)
-  order = jnp.lexsort((jnp.arange(v_len), t.born, -w, par))
-  ws, ps = w[order], par[order]
+
+  def key(pages):
+    start, at = _dfs_starts(t, c, w, pages)
+    return start[at[node]] + w[node] - own[node]
+
+  if DFS_PAGES >= v_len or t.gmin.shape[0] == 0:
+    # (no LRU index: a vmapped engine, where a batched cond runs both ways)
+    return key(None)
+  few = jnp.sum(w > 0, dtype=jnp.int32) <= DFS_PAGES
+  pages = jnp.nonzero(w > 0, size=DFS_PAGES, fill_value=v_len)[0]
+  return jax.lax.cond(few, lambda: key(i32(pages)), lambda: key(None))
+
+
+DFS_PAGES = 4096
+"""Most weighing pages :func:`dfs_order_key` sorts apart from the rest."""
+
+
+def _dfs_starts(t: Tree, c: Consts, w, pages):
+  """:func:`dfs_order_key`'s start positions of ``pages`` (``[D]`` ids, ``V``
+  for none; ``None``: every page): ``(start [D], at [V] each page's lane)``.
+  A page's gap is the weight of its siblings before it in ``(-w, born,
+  id)`` order; its start the sum of the gaps of it and its ancestors
+  (pointer jumping, ``log2`` of the depth rounds)."""
+  v_len = c.parent.shape[0]
+  rounds = max(c.pages.shape[1], 1).bit_length()  # 2^rounds > the deepest
+  every = pages is None
+  if every:
+    pages = jnp.arange(v_len, dtype=jnp.int32)
+    valid = jnp.ones((v_len,), bool)
+  else:
+    valid = pages < v_len
+  d = pages.shape[0]
+  lane = jnp.arange(d, dtype=jnp.int32)
+  safe = jnp.minimum(pages, v_len - 1)
+  root = valid & (safe == 0)
+  ws = jnp.where(valid, w[safe], 0)
+  par = jnp.where(valid, jnp.where(root, -1, c.parent[safe]), v_len)
+  order = jnp.lexsort((pages, jnp.where(valid, t.born[safe], 0), -ws, par))
+  ws, ps = ws[order], par[order]
   before = jnp.cumsum(ws) - ws
   head = jnp.concatenate([jnp.ones((1,), bool), ps[1:] != ps[:-1]])
-  first = jax.lax.cummax(jnp.where(head, jnp.arange(v_len), 0))
-  gap = jnp.zeros((v_len,), jnp.int32).at[order].set(before - before[first])
-  gap = gap.at[0].set(0)
-  start, up = gap, c.parent
-  for _ in range(max(m, 1).bit_length()):  # 2^rounds > the deepest page
+  first = jax.lax.cummax(jnp.where(head, lane, 0))
+  gap = jnp.zeros((d,), jnp.int32).at[order].set(before - before[first])
+  start = jnp.where(root, 0, gap)
+  if every:
+    at, up = lane, c.parent
+  else:
+    at = (
+      jnp.zeros((v_len,), jnp.int32)
+      .at[jnp.where(valid, pages, v_len)]
+      .set(lane, mode="drop")
+    )
+    up = jnp.where(valid, at[c.parent[safe]], lane)
+  for _ in range(rounds):
     start = start + start[up]
     up = up[up]
-  return start[node] + w[node] - own[node]
+  return start, at
