@@ -468,8 +468,8 @@ def _request_tokens(records: list[Mapping[str, Any]], lengths: _Lengths):
   parsed = _parse_all(records)
   if parsed is None:  # some record is bad: the exact error, record by record
     for rid, rec in enumerate(records):
-      _parse(rid, rec)
-      _outputs_of(rid, len(rec["input_tok_ids"]), rec, lengths)
+      prompt, mt, _ = _parse(rid, rec)
+      _check_room(rid, len(prompt), mt, lengths)
     raise AssertionError("a record failed the fast checks and none the exact")
   prompts, max_tokens, out_ids = parsed
   r = len(records)
@@ -505,12 +505,12 @@ def _request_tokens(records: list[Mapping[str, Any]], lengths: _Lengths):
   )
 
 
-def _outputs_of(rid: int, p: int, rec, lengths: _Lengths) -> None:
-  """:func:`_request_tokens`' per-record rule that can fail (the exact
-  error's order: each record's parse, then its allocator bound)."""
+def _check_room(rid: int, p: int, mt: int, lengths: _Lengths) -> None:
+  """:func:`_request_tokens`' allocator bound for one record (a prompt of
+  ``p`` tokens asking for ``mt``), record by record after its parse, in
+  the exact error's order."""
   if not 0 < p < lengths.prompt_limit or lengths.pool is None:
     return
-  mt = _parse(rid, rec)[1]
   n_out = min(mt, lengths.total - p, int(_pool_room(np.int64(p), lengths)))
   if n_out < 1:
     raise ValueError(f"record {rid}: {_no_room_words(p, lengths)}")
