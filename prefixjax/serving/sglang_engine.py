@@ -1122,33 +1122,23 @@ def _jump(
   def cond(x):
     return (x[0] < limit) & ~x[1]
 
-  def body(x):
+  def body(x):  # a timed step (an engine that evicts: not vmapped)
     j, _, tc, row, ratio, ms, frac, recs = x
     free_rec, frag_rec, ms_rec, frac_rec, dts = recs
     committed = base + j
-    if timed:
-      due = (j > 0) & more & _at_or_before(ms_next, frac_next, ms, frac)
-      dt = roofline.clock_seconds(clock, new, jnp.where(lanes, committed, 0))
-      later_ms, later_frac, bad = _tick(ms, frac, dt)
-      stop = due | bad
-    else:
-      dt, stop = jnp.float32(0), jnp.bool_(False)
+    due = (j > 0) & more & _at_or_before(ms_next, frac_next, ms, frac)
+    dt = roofline.clock_seconds(clock, new, jnp.where(lanes, committed, 0))
+    later_ms, later_frac, bad = _tick(ms, frac, dt)
+    stop = due | bad
     page = lanes & (committed % K == 0)
     newp = jnp.sum(page, dtype=jnp.int32)
-    if evict:
-      tc = _when(
-        ~stop & (tc.free < nrun), lambda t: evict_for(t, c, K, nrun * K), tc
-      )
-      free, evictable = tc.free, tc.evictable
-      ok = ~stop & (free >= newp)
-    else:  # (free, evictable); no eviction while a page per request is free
-      free, evictable = tc
-      ok = ~stop & (free >= nrun)
+    tc = _when(
+      ~stop & (tc.free < nrun), lambda t: evict_for(t, c, K, nrun * K), tc
+    )
+    free, evictable = tc.free, tc.evictable
+    ok = ~stop & (free >= newp)
     got = jnp.where(ok, newp, 0)
-    if evict:
-      tc = tc._replace(free=free - got, private=tc.private + got)
-    else:
-      tc = (free - got, evictable)
+    tc = tc._replace(free=free - got, private=tc.private + got)
     row = row + (page & ok).astype(jnp.int32)
     frag = frag_other + jnp.sum(
       jnp.where(lanes & (row > 0), row * K - (kv + j + 1), 0), dtype=jnp.int32
@@ -1157,9 +1147,8 @@ def _jump(
     frag_rec = frag_rec.at[j].set(frag)
     ms_rec, frac_rec = ms_rec.at[j].set(ms), frac_rec.at[j].set(frac)
     dts = dts.at[j].set(dt)
-    if timed:
-      ms = jnp.where(ok, later_ms, ms)
-      frac = jnp.where(ok, later_frac, frac)
+    ms = jnp.where(ok, later_ms, ms)
+    frac = jnp.where(ok, later_frac, frac)
     ratio = jnp.where(
       ok, jnp.maximum(ratio - RATIO_DECAY, MIN_RATIO), ratio
     ).astype(jnp.float32)
@@ -1518,12 +1507,8 @@ def _advance(
       s, c, cfg, clock, T, JUMP_MAX, evict=not vmapped, finish=finish
     )
     fin = fin & finish
-    # the next step's arrivals (its merge changes only seq, counted);
-    # vmapped, a 0-or-1-trip loop would select the whole state per lane
-    if vmapped:
-      s = _arrive_all(s, c, timed, fair)
-    else:
-      s = _arrive(s, c, timed, fair)
+    # the next step's arrivals (its merge changes only seq, counted)
+    s = arrive(s, c, timed, fair)
 
   def prefill_step(x):
     s = x[0]
