@@ -27,6 +27,7 @@ __all__ = [
   "scatter",
   "scatter_add",
   "set_row",
+  "take",
 ]
 
 NULL_BLOCK = 0
@@ -79,6 +80,54 @@ def set_row(x: jax.Array, i: jax.Array, values: jax.Array, ok) -> jax.Array:
   n = x.shape[0]
   safe = jnp.where(ok & (i >= 0) & (i < n), i, n)
   return x.at[safe[None]].set(values[None], mode="drop")
+
+
+TAKE_LOOP_BYTES = 1 << 17
+"""Arrays of at least this many bytes are read by :func:`take`'s loop."""
+
+
+def take(idx: jax.Array, *arrays: jax.Array, loop: bool = True):
+  """``tuple(a[idx] for a in arrays)`` (1-D arrays of one length) for a
+  short 1-D integer ``idx``; on XLA:CPU, when ``loop`` and an array holds
+  at least :data:`TAKE_LOOP_BYTES`, as one loop over ``idx`` of
+  one-element dynamic slices.
+
+  XLA:CPU's ``ParallelTaskAssigner`` splits a memory-bound fused operation
+  into ``ceil(sqrt(cores))`` tasks on its thread pool once the bytes it
+  accesses reach 512 KiB, and a gather counts its whole operand there
+  (``HloCostAnalysis::FusionParameterReadBytes``'s default case;
+  ``xla/service/cpu/parallel_task_assignment.cc``, openxla/xla as built
+  into jax 0.10.2). A gather of a request's path (some hundred pages) from
+  an array of the trie's pages thus became two tasks past 131,072 int32
+  pages, and the hand-off cost more than the reads (2-core CPU: three
+  121-entry gathers from 150,000-entry arrays 8.9 us, against 2.1 us as
+  this loop). A dynamic slice counts only what it reads, and the loop,
+  whose body accesses a few bytes, is compiled into one kernel. Smaller
+  arrays keep the plain gather, which XLA fuses into its consumers.
+
+  ``loop=False`` (vmapped callers: a vmapped dynamic slice is a gather per
+  trip) and other backends take the plain gather. Indices are read as
+  ``jnp`` indexing reads them either way: negative ones from the end, then
+  clamped into range.
+  """
+  big = any(a.size * a.dtype.itemsize >= TAKE_LOOP_BYTES for a in arrays)
+  if not (loop and big and jax.default_backend() == "cpu"):
+    return tuple(a[idx] for a in arrays)
+  n = idx.shape[0]
+  length = arrays[0].shape[0]
+
+  def body(i, outs):
+    k = jax.lax.dynamic_index_in_dim(idx, i, keepdims=False)
+    k = jnp.clip(jnp.where(k < 0, k + length, k), 0, length - 1)
+    return tuple(
+      jax.lax.dynamic_update_index_in_dim(
+        o, jax.lax.dynamic_index_in_dim(a, k, keepdims=False), i, 0
+      )
+      for o, a in zip(outs, arrays, strict=True)
+    )
+
+  outs = tuple(jnp.zeros((n,), a.dtype) for a in arrays)
+  return jax.lax.fori_loop(0, n, body, outs)
 
 
 def barrier(anchor: jax.Array, *values):

@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from serving_compare import sglang_engine_inputs as _prepare
 
 from prefixjax.serving import ServingConfig
@@ -199,3 +200,36 @@ def test_each_verb_keeps_the_bounds(rng):
         tried[0] += 1
   assert (failed == 0).all(), (seed, failed, tried)
   assert (tried > 0).all(), (seed, tried)
+
+
+def _one_group(v_len: int):
+  """One group of more pages than the trie holds."""
+  return 1 << max(4, v_len.bit_length()), 1
+
+
+def _groups_of_16(v_len: int):
+  """Many groups of 16 pages, the last one most often partial."""
+  return 16, -(-v_len // 16)
+
+
+def _two_groups(v_len: int):
+  """Two groups, the second shorter (so often the one read)."""
+  return v_len // 2 + 1, 2
+
+
+@pytest.mark.parametrize("groups", [_one_group, _groups_of_16, _two_groups])
+def test_victims_equal_a_full_scan_under_other_groupings(
+  rng, monkeypatch, groups
+):
+  """:func:`sglang_tree._evict` reads a group's pages as one window of
+  ``min(B, V)`` slices, the last group's shifted back to end at ``V``: the
+  same victims as the full scan with one group larger than the trie (the
+  window is the whole trie), with groups of 16 (a partial last one) and
+  with two groups, the second short."""
+  monkeypatch.setattr(tr, "lru_groups", groups)
+  monkeypatch.setattr(eng, "lru_groups", groups)
+  jax.clear_caches()
+  try:
+    test_bounds_hold_and_victims_equal_a_full_scan(rng)
+  finally:
+    jax.clear_caches()

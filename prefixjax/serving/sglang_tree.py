@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from prefixjax._host import to_device
-from prefixjax._masked import barrier
+from prefixjax._masked import barrier, take
 
 __all__ = [
   "IN_BATCH",
@@ -364,6 +364,13 @@ def _path(c: Consts, r):
   return p, jnp.maximum(p, 0)
 
 
+def _one(t: Tree) -> bool:
+  """Whether ``t`` is one engine's tree (it keeps the LRU index), not a
+  vmapped engine's (see :func:`_evict`): :func:`prefixjax._masked.take`
+  reads a path by its loop only then."""
+  return t.gmin.shape[0] > 0
+
+
 def _put(a, idx, v, ok):
   """``a[idx] = v`` where ``ok`` (a masked scatter, no select over ``a``)."""
   return a.at[jnp.where(ok, idx, a.shape[0])].set(v, mode="drop")
@@ -390,7 +397,7 @@ def walk(t: Tree, c: Consts, r, n, do=True):
   M = p.shape[0]
   j = jnp.arange(M)
   h = jnp.where(do, _leading(t, c, r, n), 0)
-  ns_path = t.nstart[pv]
+  (ns_path,) = take(pv, t.nstart, loop=_one(t))
   x = jnp.where(h > 0, ns_path[jnp.maximum(h - 1, 0)], 0)
   h, ns_path, x, nend_x, rep_x, lock_x, kids_x = barrier(
     h, h, ns_path, x, t.nend[x], t.rep[x], t.lock[x], t.kids[x]
@@ -468,25 +475,31 @@ def lock_path(t: Tree, c: Consts, r, n, delta):
   p, pv = _path(c, r)
   V = t.cached.shape[0]
   j = jnp.arange(p.shape[0])
-  start = (j < n) & (t.nstart[pv] == pv)
-  before = t.lock[pv]
-  size = t.nend[pv] - c.depth[pv]
-  start, before, size = barrier(n, start, before, size)
+  unlock = (t.ts,) if delta < 0 else ()  # times, for the LRU bounds
+  nstart, before, nend, depth, *ts = take(
+    pv, t.nstart, t.lock, t.nend, c.depth, *unlock, loop=_one(t)
+  )
+  start = (j < n) & (nstart == pv)
+  size = nend - depth
+  start, before, size, *ts = barrier(n, start, before, size, *ts)
   flip = start & (before == (0 if delta > 0 else 1))
   moved = jnp.sum(jnp.where(flip, size, 0), dtype=jnp.int32)
   t = t._replace(
     lock=t.lock.at[jnp.where(start, pv, V)].add(delta, mode="drop"),
     evictable=t.evictable - moved if delta > 0 else t.evictable + moved,
   )
-  return _lower(t, pv, t.ts[pv], flip) if delta < 0 else t
+  return _lower(t, pv, ts[0], flip) if delta < 0 else t
 
 
 def locked_path_evictable(t: Tree, c: Consts, r, n):
   """Evictable pages if ``r``'s first ``n`` pages were locked too."""
   p, pv = _path(c, r)
   j = jnp.arange(p.shape[0])
-  start = (j < n) & (t.nstart[pv] == pv) & (t.lock[pv] == 0)
-  size = t.nend[pv] - c.depth[pv]
+  nstart, lock, nend, depth = take(
+    pv, t.nstart, t.lock, t.nend, c.depth, loop=_one(t)
+  )
+  start = (j < n) & (nstart == pv) & (lock == 0)
+  size = nend - depth
   return t.evictable - jnp.sum(jnp.where(start, size, 0), dtype=jnp.int32)
 
 
@@ -510,7 +523,8 @@ def _evict(t: Tree, c: Consts, K, need):
   would cost more than the scans) takes the ``argmin`` over all pages."""
   V = t.cached.shape[0]
   B, _ = lru_groups(V)
-  b = jnp.arange(B)
+  W = min(B, V)  # the window read (B, but for a trie of under 16 pages)
+  b = jnp.arange(W)
   M = c.pages.shape[1]
   j = jnp.arange(M)
 
@@ -518,13 +532,21 @@ def _evict(t: Tree, c: Consts, K, need):
     # the group and its bound read before the bound's write (barrier)
     g = i32(jnp.argmin(t.gmin))
     g, bound_g = barrier(g, g, t.gmin[g])
-    idx = g * B + b
-    v = jnp.minimum(idx, V - 1)
+    # the group's pages as one window of B (the last group's shifted back
+    # to end at V, its lanes before the group masked): dynamic slices, not
+    # gathers, which XLA:CPU splits over threads from large arrays (see
+    # prefixjax._masked.take)
+    at = jnp.minimum(g * B, V - W)
+    v = at + b
+    cached, nstart, kids, lock, ts = (
+      jax.lax.dynamic_slice_in_dim(a, at, W)
+      for a in (t.cached, t.nstart, t.kids, t.lock, t.ts)
+    )
     cand = (
-      (idx < V) & t.cached[v] & (t.nstart[v] == v) & (v != 0)
-      & (t.kids[v] == 0) & (t.lock[v] == 0)
+      (v >= g * B) & cached & (nstart == v) & (v != 0) & (kids == 0)
+      & (lock == 0)
     )  # fmt: skip
-    key = jnp.where(cand, t.ts[v], _BIG)
+    key = jnp.where(cand, ts, _BIG)
     k = i32(jnp.argmin(key))
     low = key[k]
     exact = low == bound_g
