@@ -16,6 +16,12 @@ compiled calls; with ``--semantics sglang`` SGLang's loop).
 ``--semantics sglang``: SGLang 0.5.23's loop instead (4096 pages,
 ``max_num_seqs`` as ``--max-running-requests``, chunked prefill 2048).
 
+One configuration at a time runs with XLA:CPU's pools at one thread, as
+``prefixjax simulate`` does (:func:`prefixjax._host.one_xla_thread`; a
+``PJRT_NPROC`` already in the environment wins); ``--batch`` keeps a
+thread per core, for the configurations it runs side by side. The table's
+header names the setting.
+
 Usage: ``python benchmarks/simulate_scaling.py [--requests 2000]
 [--seqs 16 64] [--semantics vllm|sglang] [--batch 1 16] [--json OUT]``.
 """
@@ -25,14 +31,20 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 
-import jax
-import numpy as np
+from prefixjax._host import one_xla_thread, xla_threads  # no CPU client yet
 
-from prefixjax import serving
-from prefixjax.serving import ServingConfig
-from prefixjax.workloads import default_workload
+if "--batch" not in sys.argv[1:]:
+  one_xla_thread()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from prefixjax import serving  # noqa: E402
+from prefixjax.serving import ServingConfig  # noqa: E402
+from prefixjax.workloads import default_workload  # noqa: E402
 
 
 def main() -> None:
@@ -48,8 +60,8 @@ def main() -> None:
   rows = []
   print(
     f"jax {jax.__version__} on {jax.default_backend()} "
-    f"({platform.processor() or platform.machine()}), {args.semantics} "
-    "semantics"
+    f"({platform.processor() or platform.machine()}, {xla_threads()}), "
+    f"{args.semantics} semantics"
   )
   print(
     f"{'requests':>9} {'seqs':>5} {'steps':>7} {'compile+run s':>14} "
@@ -74,6 +86,7 @@ def main() -> None:
       assert first.ok and again.ok and again.num_steps == first.num_steps
       row = dict(
         semantics=args.semantics,
+        xla_threads=xla_threads(),
         requests=n,
         seqs=seqs,
         steps=again.num_steps,
@@ -120,8 +133,8 @@ def batch_inputs(b: int, semantics: str):
 def batch(sizes, semantics: str) -> None:
   trace = default_workload(num_requests=200, seed=0)
   print(
-    f"jax {jax.__version__} on {jax.default_backend()}, {semantics} "
-    "semantics, 200 requests"
+    f"jax {jax.__version__} on {jax.default_backend()} ({xla_threads()}), "
+    f"{semantics} semantics, 200 requests"
   )
   print(f"{'configs':>8} {'vmapped s':>10} {'one by one s':>13}")
   for b in sizes:

@@ -77,6 +77,45 @@ def cores() -> int:
   return os.cpu_count() or 1
 
 
+XLA_THREADS_ENV = ("PJRT_NPROC", "NPROC")
+"""The environment variables XLA:CPU's client sizes its thread pools by
+(the first one set wins; ``DefaultThreadPoolSize`` in
+``xla/pjrt/cpu/cpu_client.cc``), else one thread per core."""
+
+
+def one_xla_thread(environ=None) -> bool:
+  """Asks XLA:CPU for one thread in its pools (``PJRT_NPROC=1`` in
+  ``environ``, default ``os.environ``) unless a count is named there
+  already (:data:`XLA_THREADS_ENV`); returns whether it set it. XLA reads
+  the variable when JAX creates its CPU client (the first array or device
+  query of the process): call it before that, later it changes nothing.
+
+  For a process that runs one configuration's serving loop at a time (the
+  ``prefixjax simulate`` command, :func:`prefixjax.serving.simulate` in a
+  script of your own). XLA's thunk executor hands the independent
+  operations of a loop body to its pool's threads, one per core, and in
+  SGLang's loop the hand-offs cost more than the overlap gains: 10,000
+  requests of the built-in workload at 16 running, 2-core CPU, 5.7-6.6 s
+  with two threads against 3.9-4.7 s with one (vLLM's loop the same
+  either way). Not for sweeps and batches, which run several programs side
+  by side on threads of their own (the 256-point sweep benchmark took 32x
+  its largest point with one thread against 17x)."""
+  environ = os.environ if environ is None else environ
+  if any(name in environ for name in XLA_THREADS_ENV):
+    return False
+  environ[XLA_THREADS_ENV[0]] = "1"
+  return True
+
+
+def xla_threads(environ=None) -> str:
+  """XLA:CPU's pool size as the environment sets it, in words."""
+  environ = os.environ if environ is None else environ
+  for name in XLA_THREADS_ENV:
+    if name in environ:
+      return f"{name}={environ[name]}"
+  return "a thread per core"
+
+
 def as_done_on_threads(fn, items):
   """Yields ``(i, fn(items[i]))`` as each call finishes, on one thread per
   core (in order on one core).

@@ -92,10 +92,16 @@ def _add_trace_cache(parser) -> None:
   )
 
 
-def _start_jax(args) -> None:
+def _start_jax(args, one_program: bool = False) -> None:
   """Every command's start: JAX imported, its compilation cache as the
   flags say; in the console script's own process, the imported modules
-  frozen (:func:`run`)."""
+  frozen (:func:`run`), and, for a command that runs one program at a time
+  (``one_program``), XLA:CPU asked for one thread unless the environment
+  names a count (:func:`prefixjax._host.one_xla_thread`)."""
+  if one_program and _OWN_PROCESS:
+    from prefixjax._host import one_xla_thread
+
+    one_xla_thread()
   from prefixjax.compile_cache import enable_compile_cache
 
   enable_compile_cache(args.compile_cache)  # imports jax
@@ -1095,7 +1101,7 @@ def _check_simulate_args(args):
 
 def _cmd_simulate(args) -> int:
   config = _check_simulate_args(args)
-  _start_jax(args)
+  _start_jax(args, one_program=True)
 
   import time
 
@@ -1262,6 +1268,11 @@ def _simulate_header(args, trace, config) -> str:
     clock = f"steps of {args.step_time_ms:g} ms"
   else:
     clock = "steps clock"
+  threads = ""
+  if jax.default_backend() == "cpu":
+    from prefixjax._host import xla_threads
+
+    threads = f" ({xla_threads()})"
   arrivals = {
     "zero": "every request arriving at step 0",
     "trace": "arrivals at the trace's timestamps",
@@ -1275,7 +1286,7 @@ def _simulate_header(args, trace, config) -> str:
     f"max_num_batched_tokens {config.max_num_batched_tokens:,}, "
     f"max_model_len {config.max_model_len:,}, chunked prefill "
     f"{'on' if config.chunked_prefill else 'off'}, {clock}, {arrivals}, "
-    f"jax {jax.__version__} on {jax.default_backend()}"
+    f"jax {jax.__version__} on {jax.default_backend()}{threads}"
   )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import numpy as np
 import pytest
@@ -407,3 +408,54 @@ def test_the_table_says_what_ran_and_leaves_out_what_it_cannot_time(
   assert "steps of 10 ms" in lines[0]
   assert len(lines[1:-1]) == len(summary)
   assert not lines[-2].startswith("(")
+
+
+def test_one_configuration_asks_xla_for_one_thread(monkeypatch, capsys):
+  """In the console script's own process ``simulate`` sets ``PJRT_NPROC=1``
+  before JAX creates its CPU client, unless the environment names a count,
+  and its header says which. (This test process's client exists already:
+  the variable changes nothing here, the command only sets and reads it.)"""
+  from prefixjax import _host, cli
+
+  monkeypatch.setattr(cli, "_OWN_PROCESS", True)
+  monkeypatch.setattr(cli.gc, "freeze", lambda: None)
+  for name in _host.XLA_THREADS_ENV:
+    # set first, so that monkeypatch restores the value from before the
+    # test (a variable it only deletes, absent, it leaves as the test left
+    # it: PJRT_NPROC=1 would reach every later subprocess)
+    monkeypatch.setenv(name, "0")
+    monkeypatch.delenv(name)
+  assert main(["simulate", *FLAGS]) == 0
+  assert os.environ["PJRT_NPROC"] == "1"
+  assert capsys.readouterr().out.splitlines()[0].endswith(" (PJRT_NPROC=1)")
+  monkeypatch.delenv("PJRT_NPROC")
+  monkeypatch.setenv("NPROC", "3")  # a count of the user's: kept
+  assert main(["simulate", *FLAGS]) == 0
+  assert "PJRT_NPROC" not in os.environ
+  assert capsys.readouterr().out.splitlines()[0].endswith(" (NPROC=3)")
+  # called from other code (not the console script): nothing set
+  monkeypatch.setattr(cli, "_OWN_PROCESS", False)
+  monkeypatch.delenv("NPROC")
+  assert main(["simulate", *FLAGS]) == 0
+  assert "PJRT_NPROC" not in os.environ
+  assert (
+    capsys.readouterr().out.splitlines()[0].endswith(" (a thread per core)")
+  )
+
+
+@pytest.mark.parametrize(
+  "environ, set_it, words",
+  [
+    ({}, True, "PJRT_NPROC=1"),
+    ({"PJRT_NPROC": "4"}, False, "PJRT_NPROC=4"),
+    ({"NPROC": "2"}, False, "NPROC=2"),
+    ({"NPROC": "2", "PJRT_NPROC": "5"}, False, "PJRT_NPROC=5"),
+  ],
+)
+def test_one_xla_thread_keeps_a_count_already_named(environ, set_it, words):
+  from prefixjax._host import one_xla_thread, xla_threads
+
+  before = dict(environ)
+  assert one_xla_thread(environ) is set_it
+  assert environ == ({**before, "PJRT_NPROC": "1"} if set_it else before)
+  assert xla_threads(environ) == words
