@@ -36,7 +36,9 @@ import time
 
 from prefixjax._host import one_xla_thread, xla_threads  # no CPU client yet
 
-if "--batch" not in sys.argv[1:]:
+# before JAX creates its CPU client: the flags read without argparse (its
+# parser below takes no abbreviations, so "--batch" is always spelled out)
+if not any(a.split("=")[0] == "--batch" for a in sys.argv[1:]):
   one_xla_thread()
 
 import jax  # noqa: E402
@@ -48,7 +50,9 @@ from prefixjax.workloads import default_workload  # noqa: E402
 
 
 def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = argparse.ArgumentParser(
+    description=__doc__.splitlines()[0], allow_abbrev=False
+  )
   p.add_argument("--requests", type=int, nargs="+", default=[1000, 2000])
   p.add_argument("--seqs", type=int, nargs="+", default=[16, 64])
   p.add_argument("--semantics", default="vllm", choices=("vllm", "sglang"))

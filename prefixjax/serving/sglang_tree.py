@@ -341,13 +341,21 @@ def lru_groups(v_len: int) -> tuple[int, int]:
   return b, -(-v_len // b)
 
 
+def _one(t: Tree) -> bool:
+  """Whether ``t`` is one engine's tree, which keeps the LRU index
+  (``gmin``), not a vmapped engine's (see :func:`_evict`). Only then do
+  :func:`_evict` use the index, :func:`dfs_order_key` sort the weighing
+  pages apart and :func:`prefixjax._masked.take` read a path by its loop."""
+  return t.gmin.shape[0] > 0
+
+
 def _lower(t: Tree, pages, keys, ok):
   """``gmin[page // B] = min(gmin, key)`` where ``ok``: a page that may have
   become an eviction candidate (a new or unlocked leaf, a node whose last
   child left) lowers its group's bound to its time. A bound may stay below
   its group's true minimum (a candidate since touched, locked or evicted);
   :func:`_evict` raises it when it picks that group."""
-  if t.gmin.shape[0] == 0:  # no index (see :func:`_evict`)
+  if not _one(t):  # no index (see :func:`_evict`)
     return t
   b, g = lru_groups(t.cached.shape[0])
   return t._replace(
@@ -362,13 +370,6 @@ def i32(x):
 def _path(c: Consts, r):
   p = c.pages[r]
   return p, jnp.maximum(p, 0)
-
-
-def _one(t: Tree) -> bool:
-  """Whether ``t`` is one engine's tree (it keeps the LRU index), not a
-  vmapped engine's (see :func:`_evict`): :func:`prefixjax._masked.take`
-  reads a path by its loop only then."""
-  return t.gmin.shape[0] > 0
 
 
 def _put(a, idx, v, ok):
@@ -567,7 +568,7 @@ def _evict(t: Tree, c: Consts, K, need):
 
   def body(s):
     t, ev, _ = s
-    x, ok, more, t = scan(t) if t.gmin.shape[0] == 0 else indexed(t)
+    x, ok, more, t = indexed(t) if _one(t) else scan(t)
     parent = t.nstart[c.parent[x]]
     x, ok, rep_x, nend_x, parent, kids_parent, ts_parent = barrier(
       x, x, ok, t.rep[x], t.nend[x], parent, t.kids[parent], t.ts[parent]
@@ -634,7 +635,7 @@ def dfs_order_key(t: Tree, c: Consts, waiting, node):
     start, at = _dfs_starts(t, c, w, pages)
     return start[at[node]] + w[node] - own[node]
 
-  if DFS_PAGES >= v_len or t.gmin.shape[0] == 0:
+  if DFS_PAGES >= v_len or not _one(t):
     # (no LRU index: a vmapped engine, where a batched cond runs both ways)
     return key(None)
   few = jnp.sum(w > 0, dtype=jnp.int32) <= DFS_PAGES
