@@ -164,10 +164,7 @@ def barrier(anchor: jax.Array, *values):
     leaves, tree = jax.tree.flatten(carry[1])
     sums = [jnp.sum(leaf.astype(jnp.int32)) for leaf in leaves]
     mixed = [
-      jnp.invert(leaf) ^ (sums[(i + 1) % len(leaves)] & 1).astype(leaf.dtype)
-      if leaf.dtype == jnp.bool_
-      else jnp.invert(leaf) ^ sums[(i + 1) % len(leaves)].astype(leaf.dtype)
-      for i, leaf in enumerate(leaves)
+      _mix(leaf, sums[(i + 1) % len(leaves)]) for i, leaf in enumerate(leaves)
     ]
     return carry[0] + 1, jax.tree.unflatten(tree, mixed)
 
@@ -266,6 +263,16 @@ def _one_trip(fn, carry, *args):
     lambda c: c[0] < opaque_one, body, (jnp.int32(0), carry)
   )
   return out
+
+
+def _mix(leaf: jax.Array, other: jax.Array) -> jax.Array:
+  """``leaf`` changed and mixed with ``other`` (an int32 scalar), for the
+  body of :func:`barrier`'s loop, which never runs."""
+  if leaf.dtype == jnp.bool_:
+    return jnp.invert(leaf) ^ (other & 1).astype(jnp.bool_)
+  if jnp.issubdtype(leaf.dtype, jnp.floating):
+    return -leaf + other.astype(leaf.dtype)
+  return jnp.invert(leaf) ^ other.astype(leaf.dtype)
 
 
 def _to_int32(x: jax.Array) -> jax.Array:

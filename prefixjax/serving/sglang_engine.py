@@ -279,18 +279,25 @@ def _retract_one(t, q, c, K, cur, v, left):
   return t, q, cur
 
 
-def _when(pred, fn, x):
+def _when(pred, fn, x, trip: bool = False):
   """``fn(x)`` if ``pred`` else ``x``, as a while loop of 0 or 1 trips.
 
   ``lax.cond`` copies every array of its operand that a branch returns
   unchanged (on XLA:CPU: each pool- and request-sized array, every step); a
-  while loop updates its carry in place."""
+  while loop updates its carry in place.
+
+  XLA's loop-invariant code motion hoists out of the loop whatever ``fn``
+  computes from parts of ``x`` it returns unchanged, so that runs at every
+  call, taken or not. ``trip``: ``fn(x, trip)`` with ``trip`` the loop's
+  counter (1, opaque to XLA): ``fn`` passes such inputs through
+  :func:`prefixjax._masked.barrier` anchored on it to keep their work in
+  the loop."""
   # the trip count counts down from the predicate, a computed value: a
   # constant start would be copied into the loop's buffer at every call
   go = jnp.asarray(pred).astype(jnp.int32)
 
   def body(s):
-    return s[0] - 1, fn(s[1])
+    return s[0] - 1, fn(s[1], s[0]) if trip else fn(s[1])
 
   return jax.lax.while_loop(lambda s: s[0] > 0, body, (go, x))[1]
 
@@ -456,11 +463,13 @@ def _calc_priority(s: State, c: Consts, cfg: Config) -> State:
     calls = s.refresh_calls + (nwait > 0).astype(jnp.int32)
     go = (nwait > 0) & ((calls - 1) % REFRESH_INTERVAL == 0)
 
-    def touch(s):
+    def touch(s, trip):
       t, q = s.tree, s.q
       R = q.waiting.shape[0]
       W = min(MATCH_MAX, R)
-      order, _ = _smallest(q.waiting, q.qpos, W)
+      # in the loop: else XLA computes the order at every call (one in 32)
+      waiting, qpos = barrier(trip, q.waiting, q.qpos)
+      order, _ = _smallest(waiting, qpos, W)
       cnt = jnp.minimum(nwait, W)
 
       def body(i, t):
@@ -472,7 +481,7 @@ def _calc_priority(s: State, c: Consts, cfg: Config) -> State:
       return s._replace(tree=t)
 
     s = s._replace(refresh_calls=calls)
-    return _when(go, touch, s)
+    return _when(go, touch, s, trip=True)
 
   if cfg.policy == "lpm":
     return _cond(use_lpm, lpm, fcfs, s)
@@ -1372,7 +1381,11 @@ def _arrive(s: State, c: Consts, timed: bool, fair: bool = False) -> State:
   else:
     due = c.arrival[nxt] <= s.step
   due = due & more
-  return _when(due, lambda s: _arrive_all(s, c, timed, fair), s)
+
+  def arrive(s, trip):
+    return _arrive_all(s, c, timed, fair, trip)
+
+  return _when(due, arrive, s, trip=True)
 
 
 def _at_or_before(ms_a, frac_a, ms, frac):
@@ -1388,14 +1401,20 @@ def _next_arrival(s: State, c: Consts):
   return nxt, (s.ranks_in < R) & (c.arrival[nxt] < _BIG)
 
 
-def _arrive_all(s: State, c: Consts, timed: bool, fair: bool) -> State:
-  """:func:`_arrive`'s update, ``O(R)``."""
+def _arrive_all(
+  s: State, c: Consts, timed: bool, fair: bool, trip=None
+) -> State:
+  """:func:`_arrive`'s update, ``O(R)``. In :func:`_when`'s loop the clock
+  is read through ``trip``, else XLA compares all ``R`` at every call."""
   q = s.q
+  step, time_ms, time_frac = s.step, s.time_ms, s.time_frac
+  if trip is not None:
+    step, time_ms, time_frac = barrier(trip, step, time_ms, time_frac)
   if timed:
-    due = _at_or_before(c.arr_ms, c.arr_frac, s.time_ms, s.time_frac)
+    due = _at_or_before(c.arr_ms, c.arr_frac, time_ms, time_frac)
     due = due & (c.arrival < _BIG)
   else:
-    due = c.arrival <= s.step
+    due = c.arrival <= step
   new = ~q.arrived & due
   any_new = jnp.any(new)
   if fair:  # only in steps with arrivals (it sorts [R])
