@@ -97,10 +97,22 @@ def test_bisection_is_used_for_small_k(rng):
 @pytest.mark.parametrize("case", range(4))
 def test_first_set_equals_nonzero(rng, case):
   """``_first_set`` (blocks of 32) against ``jnp.nonzero(size=k)``: ``R``
-  below, at and off multiples of 32, masks empty to full, ``k`` below and
+  below, at and off multiples of 32 (and of 32 * 8, where the blocks'
+  count takes ``count``'s row form), masks empty to full, ``k`` below and
   above the count."""
   for _ in range(6):
-    r_len = int(rng.choice([1, 31, 32, 33, int(rng.integers(2, 700))]))
+    r_len = int(
+      rng.choice(
+        [
+          1,
+          31,
+          32,
+          33,
+          int(rng.integers(2, 700)),
+          int(rng.integers(2048, 5000)),
+        ]
+      )
+    )
     k = int(rng.integers(1, r_len + 1))
     mask = rng.random(r_len) < rng.choice([0.0, 0.02, 0.3, 1.0])
     got, count = jax.jit(lambda m, k=k: eng._first_set(m, k))(mask)
