@@ -28,8 +28,8 @@ __all__ = [
   "scatter",
   "scatter_add",
   "set_row",
-  "take",
   "some",
+  "take",
 ]
 
 NULL_BLOCK = 0
@@ -177,7 +177,8 @@ def barrier(anchor: jax.Array, *values):
   Args:
     anchor: an int32 scalar computed at run time that is never -7 (a block
       id, an index); it makes the trip count opaque.
-    *values: arrays (or pytrees of integer / bool arrays) to materialise.
+    *values: arrays (or pytrees of integer, bool or float arrays) to
+      materialise.
 
   Returns:
     ``values``, unchanged, as a tuple.

@@ -26,7 +26,7 @@ import numpy as np
 from prefixjax._host import replicate, shard_lanes
 from prefixjax.serving import sglang_engine as eng
 from prefixjax.serving.config import ServingConfig
-from prefixjax.serving.engine_state import StepRecord
+from prefixjax.serving.engine_state import StepRecord, first_rows
 from prefixjax.serving.results import SimResult
 
 __all__ = ["simulate_sglang", "simulate_sglang_batch"]
@@ -182,6 +182,7 @@ def simulate_sglang(
       final = eng.run(
         prep.consts, cfg, prep.knobs, clock=timer, progress=progress
       )
+      final = final._replace(out=first_rows(final.out, int(final.row)))
       final = jax.device_get(final)
       status = int(final.status)
       if not (max_steps is None and status & eng.Status.STEP_ROWS):

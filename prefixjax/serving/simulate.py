@@ -37,6 +37,7 @@ from prefixjax.cache import prefix_cache as pc
 from prefixjax.serving import roofline
 from prefixjax.serving import vllm_v1 as engine
 from prefixjax.serving.config import ServingConfig
+from prefixjax.serving.engine_state import first_rows
 from prefixjax.serving.results import SimResult
 from prefixjax.workloads import Trace
 
@@ -867,7 +868,9 @@ def _run_one(
     if not (retry and err == engine.SimStatus.OUT_OF_STEPS):
       break
     steps *= 2
-  result = _collect(built, jax.device_get(final), trace_out)
+  final = jax.device_get(final)
+  trace_out = first_rows(trace_out, int(final.num_steps))
+  result = _collect(built, final, trace_out)
   return dataclasses.replace(result, lanes_recorded=record_lanes)
 
 
