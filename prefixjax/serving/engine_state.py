@@ -381,4 +381,3 @@ def first_rows(buffers, n: int):
 @functools.partial(jax.jit, static_argnums=1)
 def _head(buffers, rows: int):
   return jax.tree.map(lambda a: a[:rows], buffers)
-
