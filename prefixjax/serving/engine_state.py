@@ -373,9 +373,14 @@ def first_rows(buffers, n: int):
   leaves = jax.tree.leaves(buffers)
   if not leaves:
     return buffers
-  T = leaves[0].shape[0]
-  rows = 1 << max(int(n) - 1, 0).bit_length()
-  return buffers if rows >= T else _head(buffers, rows)
+  rows = next_pow2(n)
+  return buffers if rows >= leaves[0].shape[0] else _head(buffers, rows)
+
+
+def next_pow2(n: int) -> int:
+  """The smallest power of two at least ``n`` (1 for ``n <= 1``): step
+  buffers' row counts."""
+  return 1 << max(int(n) - 1, 0).bit_length()
 
 
 @functools.partial(jax.jit, static_argnums=1)

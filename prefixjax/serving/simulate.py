@@ -37,7 +37,7 @@ from prefixjax.cache import prefix_cache as pc
 from prefixjax.serving import roofline
 from prefixjax.serving import vllm_v1 as engine
 from prefixjax.serving.config import ServingConfig
-from prefixjax.serving.engine_state import first_rows
+from prefixjax.serving.engine_state import first_rows, next_pow2
 from prefixjax.serving.results import SimResult
 from prefixjax.workloads import Trace
 
@@ -203,10 +203,6 @@ def _records_of(trace: Trace) -> list[dict[str, Any]]:
   return out
 
 
-def _next_pow2(n: int) -> int:
-  return 1 << max(int(n) - 1, 0).bit_length()
-
-
 def _step_rows(prompts, outputs, config, *, together: bool) -> int:
   """Step-buffer rows ``T``: a power of two above the expected steps.
 
@@ -223,7 +219,7 @@ def _step_rows(prompts, outputs, config, *, together: bool) -> int:
     est = 2 * (prefill + -(-o // config.max_num_seqs))
   else:
     est = prefill + o
-  return _next_pow2(est + 64)
+  return next_pow2(est + 64)
 
 
 def _clients(records: list[Mapping[str, Any]]) -> np.ndarray:
