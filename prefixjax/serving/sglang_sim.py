@@ -164,6 +164,8 @@ def simulate_sglang(
   cfg = prep.cfg
   if max_steps is not None:
     cfg = cfg._replace(steps=int(max_steps))
+  else:
+    cfg = cfg._replace(steps=segment_rows(cfg, num_requests))
   bar = None
   if progress:
     from tqdm import tqdm
@@ -178,22 +180,45 @@ def simulate_sglang(
 
     vllm_v1.set_progress_sink(update)
   try:
-    while True:
-      final = eng.run(
-        prep.consts, cfg, prep.knobs, clock=timer, progress=progress
-      )
-      final = final._replace(out=first_rows(final.out, int(final.row)))
-      final = jax.device_get(final)
-      status = int(final.status)
-      if not (max_steps is None and status & eng.Status.STEP_ROWS):
+    s = eng.start(prep.consts, cfg)
+    pieces, n = [], 0
+    while True:  # a segment of cfg.steps rows at a time (eng.resume)
+      s = eng.resume(
+        prep.consts, cfg, prep.knobs, s, np.int32(n), clock=timer,
+        progress=progress,
+      )  # fmt: skip
+      rows = int(s.row)
+      pieces.append((jax.device_get(first_rows(s.out, rows)), rows))
+      n += rows
+      s = s._replace(out=None)
+      if max_steps is not None or int(s.status) != eng.Status.STEP_ROWS:
         break
-      cfg = cfg._replace(steps=cfg.steps * 2)
   finally:
     if bar is not None:
       vllm_v1.set_progress_sink(None)
       bar.update(num_requests - bar.n)
       bar.close()
-  return _collect(prep, config, final, step_time_ms, timer)
+  # every segment's rows, then the last one's padding
+  last = pieces.pop()[0]
+  out = {
+    k: np.concatenate([p[k][:r] for p, r in pieces] + [last[k]])
+    for k in eng.RECORD_FIELDS
+  }
+  return _collect(prep, config, jax.device_get(s), out, n, step_time_ms, timer)
+
+
+SEGMENT_BYTES = 32 << 20
+"""Step-buffer bytes of one segment of a single run (:func:`segment_rows`)."""
+
+
+def segment_rows(cfg: eng.Config, num_requests: int) -> int:
+  """Rows of a single run's step buffers per :func:`eng.resume` segment:
+  the power of two whose buffers take at most :data:`SEGMENT_BYTES`
+  (16,384 rows at 64 running), at least 64, at most ``cfg.steps``
+  (the rows the slowest order of events needs)."""
+  per = eng.buffer_bytes(cfg, num_requests)
+  rows = 1 << max((SEGMENT_BYTES // per).bit_length() - 1, 6)
+  return min(rows, cfg.steps)
 
 
 # The Consts fields that depend on a configuration's arrivals (rate, seed)
@@ -275,7 +300,7 @@ def simulate_sglang_batch(
   out = []
   for i, (p, c) in enumerate(zip(preps, configs, strict=True)):
     f = jax.tree.map(lambda x, i=i: x[i], final)
-    res = _collect(p, c, f, step_times[i], timer)
+    res = _collect(p, c, f, f.out, int(f.row), step_times[i], timer)
     out.append(dataclasses.replace(res, lanes_recorded=False))
   return out
 
@@ -293,11 +318,13 @@ def _status_name(status: int) -> str:
   return "OK"
 
 
-def _collect(prep: _Prepared, config, final, step_time_ms, timer) -> SimResult:
+def _collect(
+  prep: _Prepared, config, final, out, n: int, step_time_ms, timer
+) -> SimResult:
+  """The result of a lane's final state ``final``, its step buffers
+  ``out`` (at least ``n`` rows) and ``n`` executed steps."""
   h = prep.host
   q = final.q
-  out = final.out
-  n = int(final.row)
   trace = StepRecord(**{k: np.asarray(out[k]) for k in eng.RECORD_FIELDS})
   arrival = h["arrival"]
   if timer is not None:  # the first step that started at or after
