@@ -76,6 +76,7 @@ import numpy as np
 
 from prefixjax._masked import barrier, count, some
 from prefixjax.serving import roofline
+from prefixjax.serving.engine_state import LANE_FIELDS
 from prefixjax.serving.sglang_tree import (
   IN_BATCH,
   Consts,
@@ -1723,7 +1724,7 @@ RECORD_FIELDS = (
   "prefill_tokens", "decode_tokens", "pc_hits", "pc_queries", "frag_tokens",
   "time_ms", "time_frac", "dt_s",
 )  # fmt: skip
-_LANES = ("sched_rid", "sched_n", "sched_kind", "preempted", "finished")
+_LANES = LANE_FIELDS
 
 
 def init(c: Consts, cfg: Config, buffers: bool = True) -> State:
@@ -1778,13 +1779,6 @@ def _buffers(T: int, S: int) -> dict:
     fill = -1 if k in ("sched_rid", "preempted", "finished") else 0
     out[k] = jnp.full(shape, fill, dtype)
   return out
-
-
-def buffer_bytes(cfg: Config, num_requests: int) -> int:
-  """Bytes of one row of the step buffers (:func:`_buffers`)."""
-  S = min(cfg.max_running, num_requests)
-  lanes = len(_LANES)
-  return 4 * (len(RECORD_FIELDS) - lanes + lanes * S)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

@@ -26,7 +26,7 @@ import numpy as np
 from prefixjax._host import replicate, shard_lanes
 from prefixjax.serving import sglang_engine as eng
 from prefixjax.serving.config import ServingConfig
-from prefixjax.serving.engine_state import StepRecord, first_rows
+from prefixjax.serving.engine_state import StepRecord, first_rows, segment_rows
 from prefixjax.serving.results import SimResult
 
 __all__ = ["simulate_sglang", "simulate_sglang_batch"]
@@ -165,7 +165,9 @@ def simulate_sglang(
   if max_steps is not None:
     cfg = cfg._replace(steps=int(max_steps))
   else:
-    cfg = cfg._replace(steps=segment_rows(cfg, num_requests))
+    cfg = cfg._replace(
+      steps=segment_rows(cfg.steps, min(cfg.max_running, num_requests))
+    )
   bar = None
   if progress:
     from tqdm import tqdm
@@ -205,20 +207,6 @@ def simulate_sglang(
     for k in eng.RECORD_FIELDS
   }
   return _collect(prep, config, jax.device_get(s), out, n, step_time_ms, timer)
-
-
-SEGMENT_BYTES = 32 << 20
-"""Step-buffer bytes of one segment of a single run (:func:`segment_rows`)."""
-
-
-def segment_rows(cfg: eng.Config, num_requests: int) -> int:
-  """Rows of a single run's step buffers per :func:`eng.resume` segment:
-  the power of two whose buffers take at most :data:`SEGMENT_BYTES`
-  (16,384 rows at 64 running), at least 64, at most ``cfg.steps``
-  (the rows the slowest order of events needs)."""
-  per = eng.buffer_bytes(cfg, num_requests)
-  rows = 1 << max((SEGMENT_BYTES // per).bit_length() - 1, 6)
-  return min(rows, cfg.steps)
 
 
 # The Consts fields that depend on a configuration's arrivals (rate, seed)

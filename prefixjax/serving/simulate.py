@@ -37,7 +37,7 @@ from prefixjax.cache import prefix_cache as pc
 from prefixjax.serving import roofline
 from prefixjax.serving import vllm_v1 as engine
 from prefixjax.serving.config import ServingConfig
-from prefixjax.serving.engine_state import first_rows, next_pow2
+from prefixjax.serving.engine_state import first_rows, next_pow2, segment_rows
 from prefixjax.serving.results import SimResult
 from prefixjax.workloads import Trace
 
@@ -846,12 +846,20 @@ def _sglang_priorities(records) -> np.ndarray:
 def _run_one(
   built, max_steps, record_lanes: bool = True, progress: bool = False
 ) -> SimResult:
-  """Runs one build, doubling the step rows while they run out."""
-  retry = max_steps is None
-  steps = max_steps or built.rows
+  """Runs one build: with ``max_steps``, once into that many rows; else a
+  segment of :func:`~prefixjax.serving.engine_state.segment_rows` rows at
+  a time, the state resumed (``num_steps`` 0 again) into fresh buffers
+  while a segment ends ``OUT_OF_STEPS`` with requests left (``num_steps``
+  only numbers the rows: the clock is ``step``)."""
+  if max_steps is None:
+    lanes = built.config.max_num_seqs if record_lanes else 0
+    steps = segment_rows(built.rows, lanes)
+  else:
+    steps = max_steps
+  state, pieces, n = built.state, [], 0
   while True:
     final, trace_out = engine.run(
-      built.state,
+      state,
       built.reqs,
       built.params,
       max_steps=steps,
@@ -859,15 +867,36 @@ def _run_one(
       clock=built.timer,
       record_lanes=record_lanes,
       progress=progress,
+      base=n,
     )
+    rows = int(final.num_steps)
+    pieces.append((jax.device_get(first_rows(trace_out, rows)), rows))
+    n += rows
     err = engine.SimStatus(int(final.error))
-    if not (retry and err == engine.SimStatus.OUT_OF_STEPS):
+    if max_steps is not None or err != engine.SimStatus.OUT_OF_STEPS:
       break
-    steps *= 2
-  final = jax.device_get(final)
-  trace_out = first_rows(trace_out, int(final.num_steps))
-  result = _collect(built, final, trace_out)
+    state = final.replace(
+      num_steps=jnp.int32(0), error=jnp.int32(engine.SimStatus.OK)
+    )
+  final = jax.device_get(final).replace(num_steps=np.int32(n))
+  result = _collect(built, final, _concat_rows(pieces))
   return dataclasses.replace(result, lanes_recorded=record_lanes)
+
+
+def _concat_rows(pieces):
+  """One step trace from the segments' ``(buffers, rows)``: every
+  segment's rows, then the last one's padding; a one-row (unrecorded)
+  field keeps the last segment's scratch row."""
+  last = pieces[-1][0]
+  if len(pieces) == 1:
+    return last
+
+  def cat(i, x):
+    if x.shape[0] == 1 and pieces[0][0][i].shape[0] == 1:
+      return x
+    return np.concatenate([p[i][:r] for p, r in pieces[:-1]] + [x])
+
+  return type(last)(*(cat(i, x) for i, x in enumerate(last)))
 
 
 def _each_on_a_thread(fn, items) -> list:

@@ -802,6 +802,7 @@ def run(
   record_lanes: bool = True,
   progress: bool = False,
   jump: bool = True,
+  base=0,
 ) -> tuple[EngineState, StepTrace]:
   """Engine steps until no request is left, in one ``lax.while_loop``.
 
@@ -837,6 +838,9 @@ def run(
     progress: every :data:`PROGRESS_EVERY` executed steps, call the host
       function set with :func:`set_progress_sink` with ``(requests done,
       steps)`` (``jax.debug.callback``; a static flag, so one compile).
+    base: traced, the steps of earlier runs this one continues (a state
+      resumed after ``OUT_OF_STEPS`` with ``num_steps`` 0, its rows in
+      fresh buffers): progress reports count from it.
     jump: take runs of decode steps (every running request decodes one
       token and none finishes, nothing waits or arrives, the blocks they
       start fit the free ones) up to :data:`JUMP_MAX` at a time in one
@@ -880,6 +884,7 @@ def run(
     record_lanes=record_lanes,
     progress=progress,
     jump=jump,
+    base=jnp.int32(base),
   )
 
 
@@ -1253,11 +1258,14 @@ def _arrive(st, reqs, scheduler, timed):
   return admit(st, reqs, scheduler, timed)
 
 
-def _step_once(st, reqs, params, scheduler, clock, max_steps, progress, n0):
+def _step_once(
+  st, reqs, params, scheduler, clock, max_steps, progress, n0, base=0
+):
   """:func:`step`, then the clock and the loop's flags: ``(state, record,
   row)``, ``row`` the buffer row the record goes to (``max_steps``, out
   of range, when no step was executed); ``n0``: the executed steps when
-  the iteration began (progress reports)."""
+  the iteration began, ``base``: those of earlier runs (progress
+  reports)."""
   timed = clock is not None
   st, rec = step(st, reqs, params, scheduler, clock)
   ran = rec.sched_rid[0] >= 0
@@ -1290,9 +1298,10 @@ def _step_once(st, reqs, params, scheduler, clock, max_steps, progress, n0):
   )
   if progress:
     done = st.num_arrived - st.num_running - st.num_waiting
+    steps = base + st.num_steps
     jax.lax.cond(
-      st.num_steps // PROGRESS_EVERY > n0 // PROGRESS_EVERY,
-      lambda: jax.debug.callback(report_progress, done, st.num_steps),
+      steps // PROGRESS_EVERY > (base + n0) // PROGRESS_EVERY,
+      lambda: jax.debug.callback(report_progress, done, steps),
       lambda: None,
     )
   return st, rec, row
@@ -1395,6 +1404,7 @@ def _run(
   record_lanes,
   progress,
   jump,
+  base,
 ):
   trace0 = _trace0(
     state, reqs, params, scheduler, clock, max_steps, record_lanes
@@ -1423,7 +1433,7 @@ def _run(
         lambda c: c[2], once, (st, trace, enter)
       )
     st, rec, row = _step_once(
-      st, reqs, params, scheduler, clock, max_steps, progress, n0
+      st, reqs, params, scheduler, clock, max_steps, progress, n0, base
     )
     return st, _write(trace, rec, row, max_steps)
 

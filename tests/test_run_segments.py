@@ -1,10 +1,11 @@
-"""SGLang's single run in segments (``sglang_engine.resume``): the step
-buffers hold ``segment_rows`` rows, the host keeps each full segment's rows
-and resumes the same state into fresh buffers. With 64-row segments (many
-per run) every result field, the whole step trace included, must equal
-one segment holding the whole run, on random traces with every scheduler,
-both clocks and pools small enough to retract; the progress reports must
-count the steps across segments."""
+"""Single runs in segments, both semantics (``sglang_engine.resume``;
+``vllm_v1.run`` resumed from its ``OUT_OF_STEPS`` state): the step buffers
+hold ``engine_state.segment_rows`` rows, the host keeps each full
+segment's rows and resumes the same state into fresh buffers. With 64-row
+segments (many per run) every result field, the whole step trace
+included, must equal one segment holding the whole run, on random traces
+with each semantics' schedulers, both clocks and pools small enough to
+preempt; the progress reports must count the steps across segments."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ import numpy as np
 import pytest
 
 from prefixjax import serving
-from prefixjax.serving import ServingConfig, sglang_sim
-from prefixjax.serving import sglang_engine as eng
+from prefixjax.serving import ServingConfig, engine_state
 from prefixjax.workloads import default_workload
 
-POLICIES = ("fcfs", "lpm", "dfs", "fair", "priority")
+POLICIES = {
+  "sglang": ("fcfs", "lpm", "dfs", "fair", "priority"),
+  "vllm": ("fcfs", "priority", "lpm", "fair"),
+}
 
 
 def _fields_equal(a, b):
@@ -37,7 +40,7 @@ def _fields_equal(a, b):
       assert x == y, f.name
 
 
-def _case(rng):
+def _case(rng, semantics):
   trace = default_workload(
     num_requests=int(rng.integers(30, 60)), seed=int(rng.integers(1 << 20))
   )
@@ -48,8 +51,8 @@ def _case(rng):
     max_num_seqs=int(rng.choice([4, 16, 32])),
     max_num_batched_tokens=int(rng.choice([256, 1024])),
     max_model_len=4096,
-    scheduler=str(rng.choice(POLICIES)),
-    semantics="sglang",
+    scheduler=str(rng.choice(POLICIES[semantics])),
+    semantics=semantics,
   )
   kw = dict(arrivals="poisson", rate=float(rng.uniform(5, 60)))
   kw["seed"] = int(rng.integers(1 << 20))
@@ -60,19 +63,21 @@ def _case(rng):
   return trace, config, kw
 
 
+@pytest.mark.parametrize("semantics", ["vllm", "sglang"])
 @pytest.mark.parametrize("case", range(2))
-def test_segments_equal_one_segment(rng, monkeypatch, case):
-  trace, config, kw = _case(rng)
+def test_segments_equal_one_segment(rng, monkeypatch, case, semantics):
+  trace, config, kw = _case(rng, semantics)
   whole = serving.simulate(trace, config, max_steps=1 << 15, **kw)
   assert whole.status == "OK"
-  monkeypatch.setattr(sglang_sim, "SEGMENT_BYTES", 1)  # 64-row segments
+  monkeypatch.setattr(engine_state, "SEGMENT_BYTES", 1)  # 64-row segments
   got = serving.simulate(trace, config, **kw)
   assert whole.num_steps > 3 * 64  # several segments
   _fields_equal(got, whole)
   assert got.trace.sched_rid.shape[0] < whole.num_steps + 64
 
 
-def test_progress_counts_across_segments(rng, monkeypatch):
+@pytest.mark.parametrize("semantics", ["vllm", "sglang"])
+def test_progress_counts_across_segments(rng, monkeypatch, semantics):
   import tqdm
 
   seen = []
@@ -82,8 +87,8 @@ def test_progress_counts_across_segments(rng, monkeypatch):
       seen.append(int(s.split()[0].replace(",", "")))
       super().set_postfix_str(s, refresh)
 
-  trace, config, kw = _case(rng)
-  monkeypatch.setattr(sglang_sim, "SEGMENT_BYTES", 1)
+  trace, config, kw = _case(rng, semantics)
+  monkeypatch.setattr(engine_state, "SEGMENT_BYTES", 1)
   monkeypatch.setattr(tqdm, "tqdm", Bar)
   r = serving.simulate(trace, config, progress=True, **kw)
   every = serving.vllm_v1.PROGRESS_EVERY
@@ -94,13 +99,14 @@ def test_progress_counts_across_segments(rng, monkeypatch):
 
 
 def test_segment_rows(rng):
+  fields = len(engine_state.StepRecord._fields)  # 18, 5 of them [S]
   for _ in range(20):
-    S = int(rng.integers(1, 2000))
+    S = int(rng.integers(0, 3000))
     bound = 1 << int(rng.integers(3, 24))
-    cfg = eng.Config(16, 100, S, "fcfs", refresh=True, steps=bound)
-    rows = sglang_sim.segment_rows(cfg, num_requests=4000)
-    per = 4 * (13 + 5 * min(S, 4000))
+    rows = engine_state.segment_rows(bound, S)
+    per = 4 * (fields - 5 + 5 * max(S, 1))
+    budget = engine_state.SEGMENT_BYTES
     assert rows & (rows - 1) == 0 and rows <= bound  # a power of two
     assert rows == bound or rows >= 64
-    assert rows * per <= sglang_sim.SEGMENT_BYTES or rows in (64, bound)
-    assert rows == bound or 2 * rows * per > sglang_sim.SEGMENT_BYTES
+    assert rows * per <= budget or rows in (64, bound)
+    assert rows == bound or rows == 64 or 2 * rows * per > budget
