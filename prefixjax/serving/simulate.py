@@ -704,9 +704,11 @@ def simulate(
       ``"poisson"``, optional for ``"zero"`` (the metrics in seconds).
     rate: requests per second of ``"poisson"``.
     seed: seed of ``"poisson"``'s ``numpy.random.default_rng``.
-    max_steps: rows of the step buffers ``T``; by default a power of two
-      above twice the trace's tokens, doubled and rerun while the run
-      reports ``OUT_OF_STEPS``.
+    max_steps: at most this many executed steps, in step buffers of as
+      many rows (status ``OUT_OF_STEPS``, SGLang's ``STEP_ROWS``, when
+      requests are left). By default no limit: the run goes a segment of
+      :func:`~prefixjax.serving.engine_state.segment_rows` rows (32 MiB of
+      buffers) at a time, resumed into fresh buffers while they fill.
     clock: ``"steps"`` (default: every step lasts ``step_time_ms``, a
       request arriving at ``t`` is queued at step ``floor(t /
       step_time_ms)``), ``"roofline"`` (each step's time from
