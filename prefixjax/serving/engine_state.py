@@ -362,19 +362,21 @@ def view(st: EngineState, reqs: RequestTable) -> sch.WaitingView:
   )
 
 
-def first_rows(buffers, n: int):
-  """The step buffers ``[T, ...]`` cut on the device to the first rows
-  that hold ``n`` steps: a power of two at least ``n`` (one compile per
-  size), all ``T`` if that is not fewer. ``T`` is sized for the slowest
-  order of events (up to every output token its own step), often far
-  above the run: at 10,000 requests and 64 running, ``2**21`` rows
-  against 29,753 steps, 2.8 GB whose copy to the host cost more than the
-  run (2026-12-07, this 2-core CPU)."""
+def first_rows(buffers, n: int, axis: int = 0):
+  """The step buffers ``[T, ...]`` (``axis`` 1: ``[B, T, ...]``, a batch's)
+  cut on the device to the first rows that hold ``n`` steps: a power of two
+  at least ``n`` (one compile per size), all ``T`` if that is not fewer.
+  ``T`` is sized for the slowest order of events (up to every output token
+  its own step), often far above the run: at 10,000 requests and 64
+  running, ``2**21`` rows against 29,753 steps, 2.8 GB whose copy to the
+  host cost more than the run (2026-12-07, this 2-core CPU). A one-row
+  field (a scratch row) stays whole."""
   leaves = jax.tree.leaves(buffers)
   if not leaves:
     return buffers
   rows = next_pow2(n)
-  return buffers if rows >= leaves[0].shape[0] else _head(buffers, rows)
+  T = max(x.shape[axis] for x in leaves)
+  return buffers if rows >= T else _head(buffers, rows, axis)
 
 
 LANE_FIELDS = ("sched_rid", "sched_n", "sched_kind", "preempted", "finished")
@@ -405,6 +407,9 @@ def next_pow2(n: int) -> int:
   return 1 << max(int(n) - 1, 0).bit_length()
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _head(buffers, rows: int):
-  return jax.tree.map(lambda a: a[:rows], buffers)
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _head(buffers, rows: int, axis: int):
+  return jax.tree.map(
+    lambda a: jax.lax.slice_in_dim(a, 0, min(rows, a.shape[axis]), axis=axis),
+    buffers,
+  )

@@ -1505,11 +1505,21 @@ def _step(s: State, c: Consts, cfg: Config, kn: Knobs, clock) -> State:
 
 
 def _write(out: dict, rec: dict, at) -> dict:
-  """The step buffers with ``rec`` in row ``at`` (``T``: nothing)."""
-  return {
-    k: out[k].at[at].set(v.astype(out[k].dtype), mode="drop")
-    for k, v in rec.items()
-  }
+  """The step buffers with ``rec`` in row ``at`` (``T``: nothing; ``at``
+  ``[n]`` with ``rec`` fields ``[n, ...]``: the ``n`` records). A one-row
+  field of ``T > 1`` rows of buffers (lanes not recorded, :func:`_buffers`)
+  is a scratch row: it keeps the last record written."""
+  T = out["step"].shape[0]
+
+  def put(buf, v):
+    v = v.astype(buf.dtype)
+    if buf.shape[0] == 1 < T:
+      if jnp.ndim(at):
+        return buf.at[jnp.where(at[-1] < T, 0, 1)].set(v[-1], mode="drop")
+      return buf.at[jnp.where(at < T, 0, 1)].set(v, mode="drop")
+    return buf.at[at].set(v, mode="drop")
+
+  return {k: put(out[k], v) for k, v in rec.items()}
 
 
 def _advance(
@@ -1727,9 +1737,12 @@ RECORD_FIELDS = (
 _LANES = LANE_FIELDS
 
 
-def init(c: Consts, cfg: Config, buffers: bool = True) -> State:
+def init(
+  c: Consts, cfg: Config, buffers: bool = True, lanes: bool = True
+) -> State:
   """The state before the first step; ``buffers=False``: ``out`` None
-  (:func:`start`, for :func:`resume` to give it fresh buffers)."""
+  (:func:`start`, for :func:`resume` to give it fresh buffers);
+  ``lanes=False``: the ``[S]`` fields get a scratch row (:func:`_buffers`)."""
   R = c.prompt.shape[0]
   V = c.parent.shape[0]
   T, S = cfg.steps, min(cfg.max_running, R)
@@ -1763,19 +1776,22 @@ def init(c: Consts, cfg: Config, buffers: bool = True) -> State:
     chunked=i32(-1), full=jnp.bool_(False), ratio=jnp.float32(INIT_RATIO),
     refresh_calls=i32(0), status=i32(0), done=jnp.bool_(False),
     time_ms=i32(0), time_frac=jnp.float32(0), cur=_fresh_cur(S),
-    out=_buffers(T, S) if buffers else None,
+    out=_buffers(T, S, lanes) if buffers else None,
     idle=i32(0), vtc=z, vtc_floor=i32(0),
     by_rank=i32(jnp.argsort(jnp.where(c.arrival < _BIG, 0, R) + c.arr_rank)),
     ranks_in=i32(0),
   )  # fmt: skip
 
 
-def _buffers(T: int, S: int) -> dict:
-  """Empty step buffers: ``T`` rows of every :data:`RECORD_FIELDS`."""
+def _buffers(T: int, S: int, lanes: bool = True) -> dict:
+  """Empty step buffers: ``T`` rows of every :data:`RECORD_FIELDS`; with
+  ``lanes=False`` one scratch row of each ``[S]`` field (``[1, S]``: a
+  batch's results do not record them, and at 16 running they are 86% of
+  a row's bytes)."""
   out = {}
   for k in RECORD_FIELDS:
     dtype = jnp.float32 if k in ("time_frac", "dt_s") else jnp.int32
-    shape = (T, S) if k in _LANES else (T,)
+    shape = ((T if lanes else 1), S) if k in _LANES else (T,)
     fill = -1 if k in ("sched_rid", "preempted", "finished") else 0
     out[k] = jnp.full(shape, fill, dtype)
   return out
@@ -1862,7 +1878,9 @@ def _going(s: State):
 def run_batched(shared: Consts, per: dict, kn: Knobs, cfg: Config, clock):
   """:func:`run` for a leading configuration axis: ``per`` holds the
   batched ``Consts`` fields ``[n, ...]``, ``kn`` the batched knobs,
-  ``shared`` the rest. Each lane's final state equals :func:`run`'s.
+  ``shared`` the rest. Each lane's final state equals :func:`run`'s, but
+  for the ``[S]`` fields of the step buffers, not recorded (a scratch
+  row, :func:`_buffers`).
 
   Not ``jax.vmap(run)``: a vmapped ``while_loop`` with a per-lane
   predicate selects every carry between its old and new value each
@@ -1879,7 +1897,7 @@ def run_batched(shared: Consts, per: dict, kn: Knobs, cfg: Config, clock):
     return shared._replace(**p)
 
   def start(p):
-    return init(lane_consts(p), cfg)
+    return init(lane_consts(p), cfg, lanes=False)
 
   s = jax.vmap(start)(per)
   out = s.out

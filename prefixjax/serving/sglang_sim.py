@@ -284,7 +284,8 @@ def simulate_sglang_batch(
     if not (max_steps is None and np.any(status & eng.Status.STEP_ROWS)):
       break
     cfg = cfg._replace(steps=cfg.steps * 2)
-  final = jax.device_get(final)
+  rows = int(np.max(np.asarray(final.row)))
+  final = jax.device_get(final._replace(out=first_rows(final.out, rows, 1)))
   out = []
   for i, (p, c) in enumerate(zip(preps, configs, strict=True)):
     f = jax.tree.map(lambda x, i=i: x[i], final)
