@@ -386,17 +386,19 @@ SEGMENT_BYTES = 32 << 20
 """Step-buffer bytes of one segment of a single run (:func:`segment_rows`)."""
 
 
-def segment_rows(bound: int, lanes: int) -> int:
-  """Rows of a single run's step buffers, filled and resumed a segment at a
+def segment_rows(bound: int, lanes: int, configs: int = 1) -> int:
+  """Rows of a run's step buffers, filled and resumed a segment at a
   time: the power of two whose buffers (``lanes`` columns per ``[S]``
-  field, 4 bytes each) take at most :data:`SEGMENT_BYTES` (16,384 rows at
-  64 lanes), at least 64, at most ``bound`` (the rows the slowest order of
+  field, one when they are not recorded, 4 bytes each; ``configs`` runs
+  side by side) take at most :data:`SEGMENT_BYTES` (16,384 rows at 64
+  lanes), at least 64, at most ``bound`` (the rows the slowest order of
   events needs: up to every output token its own step). Sized by that
   bound the buffers were ``2**21`` rows, 2.8 GB, at 10,000 requests and 64
   running against 29,753 steps run, and allocating and filling them cost
   about 1 s of a 3.6 s SGLang run (2026-12-07, this 2-core CPU)."""
   fields = len(StepRecord._fields)
   per = 4 * (fields - len(LANE_FIELDS) + len(LANE_FIELDS) * max(lanes, 1))
+  per *= max(int(configs), 1)
   rows = 1 << max((SEGMENT_BYTES // per).bit_length() - 1, 6)
   return min(rows, int(bound))
 

@@ -107,6 +107,7 @@ __all__ = [
   "run",
   "run_batched",
   "start",
+  "start_batched",
 ]
 
 CLIP_MAX_NEW_TOKENS = 4096  # schedule_policy.py
@@ -1822,14 +1823,19 @@ def resume(
   reports count from it).
   """
   S = min(cfg.max_running, c.prompt.shape[0])
+  return _loop(_segment(s, cfg.steps, S), c, cfg, kn, clock, progress, base)
+
+
+def _segment(s: State, T: int, S: int, lanes: bool = True) -> State:
+  """``s`` (``out`` None) going on into fresh buffers from row 0: a
+  ``STEP_ROWS`` stop (full buffers) cleared."""
   full = (s.status & Status.STEP_ROWS) != 0
-  s = s._replace(
-    out=_buffers(cfg.steps, S),
+  return s._replace(
+    out=_buffers(T, S, lanes),
     row=i32(0),
     status=s.status & ~Status.STEP_ROWS,
     done=s.done & ~full,
   )
-  return _loop(s, c, cfg, kn, clock, progress, base)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "clock", "progress"))
@@ -1875,7 +1881,10 @@ def _going(s: State):
   return ~s.done & (s.status == 0)
 
 
-def run_batched(shared: Consts, per: dict, kn: Knobs, cfg: Config, clock):
+def run_batched(
+  shared: Consts, per: dict, kn: Knobs, cfg: Config, clock, s=None,
+  until_full: bool = False,
+):  # fmt: skip
   """:func:`run` for a leading configuration axis: ``per`` holds the
   batched ``Consts`` fields ``[n, ...]``, ``kn`` the batched knobs,
   ``shared`` the rest. Each lane's final state equals :func:`run`'s, but
@@ -1889,6 +1898,13 @@ def run_batched(shared: Consts, per: dict, kn: Knobs, cfg: Config, clock):
   while any lane goes, the steps are vmapped, a lane that has stopped
   keeps its state (a select over the state without the buffers), and the
   buffers are written in place at the row of each lane that stepped.
+
+  ``s``: a batched state without buffers (:func:`start_batched`, or a
+  ``run_batched`` whose ``out`` was taken off) to go on from into fresh
+  buffers (:func:`resume`'s segments, lane by lane). ``until_full``
+  (static): stop every lane once one lane's buffers are full, so that the
+  next segment resumes them together (else that lane would wait out the
+  others and then run alone).
   """
 
   cfg = cfg._replace(lru_index=False)  # the scan (sglang_tree._evict)
@@ -1896,10 +1912,11 @@ def run_batched(shared: Consts, per: dict, kn: Knobs, cfg: Config, clock):
   def lane_consts(p):
     return shared._replace(**p)
 
-  def start(p):
-    return init(lane_consts(p), cfg, lanes=False)
-
-  s = jax.vmap(start)(per)
+  if s is None:
+    s = jax.vmap(lambda p: init(lane_consts(p), cfg, lanes=False))(per)
+  else:
+    S = min(cfg.max_running, shared.prompt.shape[0])
+    s = jax.vmap(lambda s: _segment(s, cfg.steps, S, lanes=False))(s)
   out = s.out
   T = out["step"].shape[1]
 
@@ -1918,9 +1935,18 @@ def run_batched(shared: Consts, per: dict, kn: Knobs, cfg: Config, clock):
     at = jnp.where(going.reshape((-1,) + (1,) * (at.ndim - 1)), at, T)
     return s, jax.vmap(_write)(out, rec, at)
 
-  s, out = jax.lax.while_loop(
-    lambda carry: jnp.any(jax.vmap(_going)(carry[0])),
-    body,
-    (s._replace(out=None), out),
-  )
+  def cond(carry):
+    go = jnp.any(jax.vmap(_going)(carry[0]))
+    if until_full:
+      go = go & ~jnp.any(carry[0].row >= T)
+    return go
+
+  s, out = jax.lax.while_loop(cond, body, (s._replace(out=None), out))
   return s._replace(out=out)
+
+
+def start_batched(shared: Consts, per: dict, cfg: Config) -> State:
+  """:func:`run_batched`'s lanes before their first step, without step
+  buffers (its ``s``)."""
+  cfg = cfg._replace(lru_index=False)
+  return jax.vmap(lambda p: init(shared._replace(**p), cfg, buffers=False))(per)

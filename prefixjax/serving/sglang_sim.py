@@ -218,11 +218,20 @@ BATCH_STATIC = ("waiting_prefix_refresh", "priority_preemption")
 
 
 @functools.cache
-def _batched_run(cfg: eng.Config, clock):
+def _batched_run(cfg: eng.Config, clock, until_full: bool = False):
   """The loop over the configurations' arrival arrays and knobs (the
   shared ``Consts`` unbatched), :func:`~prefixjax.serving.sglang_engine.
-  run_batched`; one compiled program per ``(cfg, clock)``."""
-  return jax.jit(functools.partial(eng.run_batched, cfg=cfg, clock=clock))
+  run_batched`; one compiled program per ``(cfg, clock, until_full)``."""
+  return jax.jit(
+    functools.partial(
+      eng.run_batched, cfg=cfg, clock=clock, until_full=until_full
+    )
+  )
+
+
+@functools.cache
+def _batched_start(cfg: eng.Config):
+  return jax.jit(functools.partial(eng.start_batched, cfg=cfg))
 
 
 def simulate_sglang_batch(
@@ -238,8 +247,11 @@ def simulate_sglang_batch(
   ``client`` and ``priority`` of :func:`simulate_sglang`; ``step_times``
   each one's ``step_time_ms``. The configurations must give one static
   ``Config`` (block size, pool, ``max_num_seqs``, scheduler and
-  :data:`BATCH_STATIC`; checked by the caller); the step rows are the
-  largest any needs, doubled for all while one runs out. ``devices``:
+  :data:`BATCH_STATIC`; checked by the caller). The step buffers hold
+  ``max_steps`` rows, or by default a segment of
+  :func:`~prefixjax.serving.engine_state.segment_rows` rows for all lanes
+  together, every lane resumed into fresh buffers once one lane's fill
+  (``until_full``). ``devices``:
   the configurations' axis sharded over them (padded with copies of the
   last configuration, dropped again). Each result equals
   :func:`simulate_sglang`'s, with ``lanes_recorded`` False as every
@@ -258,7 +270,11 @@ def simulate_sglang_batch(
     )
     for c, i in zip(configs, inputs, strict=True)
   ]
-  steps = max_steps or max(p.cfg.steps for p in preps)
+  n = len(preps)
+  if max_steps is None:
+    steps = segment_rows(max(p.cfg.steps for p in preps), 0, configs=n)
+  else:
+    steps = max_steps
   cfg = preps[0].cfg._replace(steps=int(steps))
   for i, p in enumerate(preps):
     if p.cfg._replace(steps=cfg.steps) != cfg:
@@ -266,7 +282,6 @@ def simulate_sglang_batch(
         f"configs[{i}] needs another compiled program than configs[0] "
         f"({p.cfg} vs {preps[0].cfg})"
       )
-  n = len(preps)
   shared = preps[0].consts
   lanes = {
     f: np.stack([np.asarray(getattr(p.consts, f)) for p in preps])
@@ -278,20 +293,41 @@ def simulate_sglang_batch(
   if devices is not None and len(devices) > 1:
     lanes, knobs = shard_lanes((lanes, knobs), devices)
     shared = replicate(shared, devices)
-  while True:
+  if max_steps is None:
+    s, pieces = _batched_start(cfg)(shared, lanes), []
+    while True:
+      s = _batched_run(cfg, timer, True)(shared, lanes, knobs, s=s)
+      rows = np.asarray(s.row)[:n]
+      cut = first_rows(s.out, int(rows.max()), 1)
+      pieces.append((jax.device_get(cut), rows))
+      s = s._replace(out=None)
+      status, done = np.asarray(s.status)[:n], np.asarray(s.done)[:n]
+      if not np.any((status == eng.Status.STEP_ROWS) | ((status == 0) & ~done)):
+        break
+    final = jax.device_get(s)
+  else:
     final = _batched_run(cfg, timer)(shared, lanes, knobs)
-    status = np.asarray(final.status)[:n]
-    if not (max_steps is None and np.any(status & eng.Status.STEP_ROWS)):
-      break
-    cfg = cfg._replace(steps=cfg.steps * 2)
-  rows = int(np.max(np.asarray(final.row)))
-  final = jax.device_get(final._replace(out=first_rows(final.out, rows, 1)))
+    rows = np.asarray(final.row)[:n]
+    pieces = [(jax.device_get(first_rows(final.out, int(rows.max()), 1)), rows)]
+    final = jax.device_get(final._replace(out=None))
   out = []
   for i, (p, c) in enumerate(zip(preps, configs, strict=True)):
     f = jax.tree.map(lambda x, i=i: x[i], final)
-    res = _collect(p, c, f, f.out, int(f.row), step_times[i], timer)
+    bufs = {k: _lane_rows(pieces, i, k) for k in eng.RECORD_FIELDS}
+    n_i = int(sum(r[i] for _, r in pieces))
+    res = _collect(p, c, f, bufs, n_i, step_times[i], timer)
     out.append(dataclasses.replace(res, lanes_recorded=False))
   return out
+
+
+def _lane_rows(pieces, i: int, k: str) -> np.ndarray:
+  """Lane ``i``'s field ``k`` over the segments ``(buffers [B, T', ...],
+  rows [B])``: each one's rows, then the last one's padding (a one-row
+  scratch field: the last segment's)."""
+  last = pieces[-1][0][k][i]
+  if last.shape[0] == 1 or len(pieces) == 1:
+    return last
+  return np.concatenate([b[k][i][: r[i]] for b, r in pieces[:-1]] + [last])
 
 
 def _status_name(status: int) -> str:

@@ -1502,8 +1502,11 @@ def _simulate_batch(
   if devices is not None and len(devices) > 1:
     state, reqs, params = shard_lanes((state, reqs, params), devices)
     shared = replicate(shared, devices)
-  retry = max_steps is None
-  steps = max_steps or max(b.rows for b in builds)
+  if max_steps is None:  # segments for all lanes, resumed together
+    steps = segment_rows(max(b.rows for b in builds), 0, configs=n)
+  else:
+    steps = max_steps
+  pieces = []
   while True:
     final, trace_out = engine.run_batched(
       state,
@@ -1513,18 +1516,29 @@ def _simulate_batch(
       max_steps=steps,
       scheduler=b0.scheduler,
       clock=b0.timer,
+      until_full=max_steps is None,
     )
+    rows = np.asarray(final.num_steps)[:n]
+    cut = first_rows(trace_out, int(rows.max()), axis=1)
+    pieces.append((jax.device_get(cut), rows))
     errors = np.asarray(final.error)
-    if not (retry and np.any(errors == engine.SimStatus.OUT_OF_STEPS)):
+    if max_steps is not None or not np.any(
+      errors[:n] == engine.SimStatus.OUT_OF_STEPS
+    ):
       break
-    steps *= 2
+    out_of_steps = final.error == engine.SimStatus.OUT_OF_STEPS
+    state = final.replace(
+      num_steps=jnp.zeros_like(final.num_steps),
+      error=jnp.where(out_of_steps, engine.SimStatus.OK, final.error),
+    )
   final = jax.device_get(final)
-  rows = int(np.max(final.num_steps))
-  trace_out = jax.device_get(first_rows(trace_out, rows, axis=1))
   out = []
   for i, b in enumerate(builds):
     f = jax.tree.map(lambda x, i=i: x[i], final)
-    t = jax.tree.map(lambda x, i=i: x[i], trace_out)
+    f = f.replace(num_steps=np.int32(sum(r[i] for _, r in pieces)))
+    t = _concat_rows(
+      [(jax.tree.map(lambda x, i=i: x[i], p), r[i]) for p, r in pieces]
+    )
     out.append(dataclasses.replace(_collect(b, f, t), lanes_recorded=False))
   return out
 

@@ -1444,11 +1444,13 @@ def _run(
 
 
 @functools.partial(
-  jax.jit, static_argnames=("max_steps", "scheduler", "clock", "jump")
+  jax.jit,
+  static_argnames=("max_steps", "scheduler", "clock", "jump", "until_full"),
 )
 def run_batched(
-  state, reqs, params, keys, *, max_steps, scheduler, clock=None, jump=True
-):
+  state, reqs, params, keys, *, max_steps, scheduler, clock=None, jump=True,
+  until_full=False,
+):  # fmt: skip
   """:func:`run` (``record_lanes=False``) for a leading configuration
   axis: ``state``, ``params`` and ``reqs`` (its ``keys`` None) are batched
   ``[n, ...]``; ``keys``, the prompts' block keys, are shared. Each lane's
@@ -1462,6 +1464,11 @@ def run_batched(
   Here the loop runs while any lane goes, the steps are vmapped, a lane
   that has stopped keeps its state (a select over the state alone), and
   the buffers are written in place at the row of each lane that stepped.
+
+  ``until_full``: stop every lane once one lane has run ``max_steps``
+  steps (those left with requests end ``OUT_OF_STEPS``), so that the
+  caller resumes them together into fresh buffers, ``num_steps`` 0 again
+  (else that lane would wait out the others and then run alone).
   """
   scheduler = sch.get_scheduler(scheduler)
 
@@ -1495,7 +1502,11 @@ def run_batched(
       trace, rec, row, max_steps
     )
 
-  st, trace = jax.lax.while_loop(
-    lambda carry: jnp.any(going(carry[0], reqs)), body, (state, trace)
-  )
+  def cond(carry):
+    go = jnp.any(going(carry[0], reqs))
+    if until_full:
+      go = go & ~jnp.any(carry[0].num_steps >= max_steps)
+    return go
+
+  st, trace = jax.lax.while_loop(cond, body, (state, trace))
   return lane(_finish)(st, reqs), trace
