@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from prefixjax import _struct as struct
 from prefixjax._masked import NONE, scatter
@@ -377,6 +378,24 @@ def first_rows(buffers, n: int, axis: int = 0):
   rows = next_pow2(n)
   T = max(x.shape[axis] for x in leaves)
   return buffers if rows >= T else _head(buffers, rows, axis)
+
+
+def join_rows(pieces):
+  """One run's step buffers from its segments' ``[(buffers, rows)]``
+  (host arrays, each a pytree of ``[T', ...]`` fields): every segment's
+  first ``rows``, then the last segment whole (its padding); a field of
+  one row in every segment (a scratch row) is the last segment's."""
+  last = pieces[-1][0]
+  if len(pieces) == 1:
+    return last
+
+  def cat(*xs):
+    if all(x.shape[0] == 1 for x in xs):
+      return xs[-1]
+    head = [x[:r] for x, (_, r) in zip(xs[:-1], pieces[:-1], strict=True)]
+    return np.concatenate([*head, xs[-1]])
+
+  return jax.tree.map(cat, *(b for b, _ in pieces))
 
 
 LANE_FIELDS = ("sched_rid", "sched_n", "sched_kind", "preempted", "finished")

@@ -26,7 +26,12 @@ import numpy as np
 from prefixjax._host import replicate, shard_lanes
 from prefixjax.serving import sglang_engine as eng
 from prefixjax.serving.config import ServingConfig
-from prefixjax.serving.engine_state import StepRecord, first_rows, segment_rows
+from prefixjax.serving.engine_state import (
+  StepRecord,
+  first_rows,
+  join_rows,
+  segment_rows,
+)
 from prefixjax.serving.results import SimResult
 
 __all__ = ["simulate_sglang", "simulate_sglang_batch"]
@@ -200,12 +205,7 @@ def simulate_sglang(
       vllm_v1.set_progress_sink(None)
       bar.update(num_requests - bar.n)
       bar.close()
-  # every segment's rows, then the last one's padding
-  last = pieces.pop()[0]
-  out = {
-    k: np.concatenate([p[k][:r] for p, r in pieces] + [last[k]])
-    for k in eng.RECORD_FIELDS
-  }
+  out = join_rows(pieces)
   return _collect(prep, config, jax.device_get(s), out, n, step_time_ms, timer)
 
 
@@ -313,21 +313,13 @@ def simulate_sglang_batch(
   out = []
   for i, (p, c) in enumerate(zip(preps, configs, strict=True)):
     f = jax.tree.map(lambda x, i=i: x[i], final)
-    bufs = {k: _lane_rows(pieces, i, k) for k in eng.RECORD_FIELDS}
+    bufs = join_rows(
+      [(jax.tree.map(lambda x, i=i: x[i], b), r[i]) for b, r in pieces]
+    )
     n_i = int(sum(r[i] for _, r in pieces))
     res = _collect(p, c, f, bufs, n_i, step_times[i], timer)
     out.append(dataclasses.replace(res, lanes_recorded=False))
   return out
-
-
-def _lane_rows(pieces, i: int, k: str) -> np.ndarray:
-  """Lane ``i``'s field ``k`` over the segments ``(buffers [B, T', ...],
-  rows [B])``: each one's rows, then the last one's padding (a one-row
-  scratch field: the last segment's)."""
-  last = pieces[-1][0][k][i]
-  if last.shape[0] == 1 or len(pieces) == 1:
-    return last
-  return np.concatenate([b[k][i][: r[i]] for b, r in pieces[:-1]] + [last])
 
 
 def _status_name(status: int) -> str:

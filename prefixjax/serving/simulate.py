@@ -37,7 +37,12 @@ from prefixjax.cache import prefix_cache as pc
 from prefixjax.serving import roofline
 from prefixjax.serving import vllm_v1 as engine
 from prefixjax.serving.config import ServingConfig
-from prefixjax.serving.engine_state import first_rows, next_pow2, segment_rows
+from prefixjax.serving.engine_state import (
+  first_rows,
+  join_rows,
+  next_pow2,
+  segment_rows,
+)
 from prefixjax.serving.results import SimResult
 from prefixjax.workloads import Trace
 
@@ -881,24 +886,8 @@ def _run_one(
       num_steps=jnp.int32(0), error=jnp.int32(engine.SimStatus.OK)
     )
   final = jax.device_get(final).replace(num_steps=np.int32(n))
-  result = _collect(built, final, _concat_rows(pieces))
+  result = _collect(built, final, join_rows(pieces))
   return dataclasses.replace(result, lanes_recorded=record_lanes)
-
-
-def _concat_rows(pieces):
-  """One step trace from the segments' ``(buffers, rows)``: every
-  segment's rows, then the last one's padding; a one-row (unrecorded)
-  field keeps the last segment's scratch row."""
-  last = pieces[-1][0]
-  if len(pieces) == 1:
-    return last
-
-  def cat(i, x):
-    if x.shape[0] == 1 and pieces[0][0][i].shape[0] == 1:
-      return x
-    return np.concatenate([p[i][:r] for p, r in pieces[:-1]] + [x])
-
-  return type(last)(*(cat(i, x) for i, x in enumerate(last)))
 
 
 def _each_on_a_thread(fn, items) -> list:
@@ -1536,7 +1525,7 @@ def _simulate_batch(
   for i, b in enumerate(builds):
     f = jax.tree.map(lambda x, i=i: x[i], final)
     f = f.replace(num_steps=np.int32(sum(r[i] for _, r in pieces)))
-    t = _concat_rows(
+    t = join_rows(
       [(jax.tree.map(lambda x, i=i: x[i], p), r[i]) for p, r in pieces]
     )
     out.append(dataclasses.replace(_collect(b, f, t), lanes_recorded=False))
