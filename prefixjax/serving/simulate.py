@@ -883,7 +883,7 @@ def _run_one(
     if max_steps is not None or err != engine.SimStatus.OUT_OF_STEPS:
       break
     state = final.replace(
-      num_steps=jnp.int32(0), error=jnp.int32(engine.SimStatus.OK)
+      num_steps=np.int32(0), error=np.int32(engine.SimStatus.OK)
     )
   final = jax.device_get(final).replace(num_steps=np.int32(n))
   result = _collect(built, final, join_rows(pieces))

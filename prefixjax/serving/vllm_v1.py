@@ -86,6 +86,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from prefixjax._masked import NONE, gather, get_row, scatter
 from prefixjax.cache import Status
@@ -884,7 +885,7 @@ def run(
     record_lanes=record_lanes,
     progress=progress,
     jump=jump,
-    base=jnp.int32(base),
+    base=np.int32(base),
   )
 
 
